@@ -1,0 +1,95 @@
+"""Per-request generation parameters (plain Python, no torch).
+
+Names and meanings follow vLLM's ``SamplingParams`` where they overlap, and the
+OpenAI API for the penalties (additive presence / frequency penalties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = whole vocabulary
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    logprobs: int | None = None  # None = no logprobs; k = chosen token + top k
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field and its limit."""
+        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check(0.0 <= self.temperature <= 2.0, f"temperature must be between 0 and 2, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be between 0 and 1, got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be between -2 and 2, got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}")
+        _check(0.0 < self.repetition_penalty <= 2.0,
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+               f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS,
+                   f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        for token_id, bias in self.logit_bias.items():
+            _check(-100.0 <= bias <= 100.0, f"logit_bias values must be between -100 and 100, got {bias}")
+            if vocab_size is not None:
+                _check(0 <= token_id < vocab_size,
+                       f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+        if vocab_size is not None:
+            for token_id in self.stop_token_ids:
+                _check(0 <= token_id < vocab_size,
+                       f"stop_token_ids entry {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
