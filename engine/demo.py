@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -107,7 +108,7 @@ def _write_hf(out: Path, sd: dict[str, torch.Tensor], layers: int, width: int, v
     out.mkdir(parents=True, exist_ok=True)
     hf = {}
     for name, t in sd.items():
-        if name.startswith("blocks.0.att.v"):
+        if re.fullmatch(r"blocks\.0\.att\.v[012]", name):
             continue  # layer 0 has no value-residual LoRA in fla
         if name.split(".")[-1] in ("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"):
             t = t.t()

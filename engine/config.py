@@ -1,0 +1,51 @@
+"""Engine configuration: one dataclass, validated on construction (vLLM names where they agree)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "reference", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # .pth file or fla-hub directory; None = demo model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # weights: bfloat16 on CUDA, float32 on CPU
+    state_dtype: str = "float32"  # wkv state
+    backend: str = "auto"  # auto = cuda kernels on a GPU, reference otherwise
+    max_num_seqs: int = 256  # concurrent sequences (state slots)
+    max_num_batched_tokens: int = 4096  # tokens per step: decodes + admitted prompt chunks
+    max_model_len: int = 1 << 20  # prompt + output tokens per sequence
+    enforce_eager: bool = False  # no CUDA graphs
+    gpu_memory_utilization: float = 0.90
+    seed: int = 0  # seeds requests that bring none
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs}) so prompts are never starved")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.1 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in [0.1, 1], got {self.gpu_memory_utilization}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"

@@ -1,0 +1,184 @@
+"""The engine: tokens in, tokens and text out. No Redis, no HTTP.
+
+    engine.add(Request(...)); while engine.has_work(): outputs = engine.step()
+
+A step reads like the architecture: schedule → admit → run the model and
+sample → detokenize, check stops, finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from engine.config import EngineConfig
+from engine.runner import ModelRunner
+from engine.sampler import SampleOutput
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import FinishReason, Request, Sequence, SequenceOutput, Status, TokenLogprob
+from engine.text import TextStream
+from engine.tokenizer import WorldTokenizer
+from engine.weights import Rwkv7Weights, load_model
+
+log = logging.getLogger(__name__)
+
+SEED_MASK = (1 << 63) - 1
+SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, weights: Rwkv7Weights | None = None,
+                 tokenizer: WorldTokenizer | None = None):
+        self.config = config
+        if weights is None:
+            if config.model is None:
+                raise ValueError("EngineConfig.model is required (or pass weights)")
+            weights = load_model(config.model)
+        self.tokenizer = tokenizer or WorldTokenizer.default()
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.runner = ModelRunner(config, weights, [self.eos_token_id])
+        self.shape = weights.shape
+        self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens)
+        self._seed_rng = random.Random(config.seed)
+        self._sequences: dict[str, list[Sequence]] = {}
+
+    # -- public API ---------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return self.runner.num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.scheduler.slots.num_free
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._sequences
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError, naming the field and the limit, for a request the engine cannot run."""
+        vocab = self.shape.vocab_size
+        if request.request_id in self._sequences:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        if not 1 <= request.n <= self.num_slots:
+            raise ValueError(f"n must be between 1 and {self.num_slots}, got {request.n}")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        total = max(1, len(request.prompt_token_ids)) + request.params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                             f"({request.params.max_tokens}) = {total} exceeds max_model_len "
+                             f"({self.config.max_model_len})")
+        request.params.validate(vocab_size=vocab)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it cannot run (nothing is queued then)."""
+        self.validate(request)
+        if not request.prompt_token_ids:
+            request.prompt_token_ids = [self.eos_token_id]  # an empty prompt starts a new document
+        seqs = [Sequence(request, i, self._text_stream(request)) for i in range(request.n)]
+        base = request.params.seed if request.params.seed is not None else self._seed_rng.getrandbits(63)
+        for s in seqs:
+            s.seed = (base + s.index * SIBLING_SEED_STRIDE) & SEED_MASK
+        seqs[0].siblings = seqs[1:]
+        self._sequences[request.request_id] = seqs
+        self.scheduler.add(seqs[0])
+        log.info("request queued", extra={"request_id": request.request_id, "n": request.n,
+                                          "prompt_tokens": len(request.prompt_token_ids)})
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its slots at once; False if unknown."""
+        if request_id not in self._sequences:
+            return False
+        removed = self.scheduler.abort(request_id)
+        for s in removed:
+            s.finish_reason = FinishReason.ABORT
+        del self._sequences[request_id]
+        log.info("request aborted", extra={"request_id": request_id, "freed_slots": len(removed)})
+        return True
+
+    def step(self) -> list[SequenceOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        self.runner.admit(batch.admitted)
+        seqs, sampled = self.runner.run(batch)
+        self._complete_prefills(batch)
+        return self._postprocess(seqs, sampled)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _text_stream(self, request: Request) -> TextStream:
+        return TextStream(self.tokenizer, request.params.stop, request.params.include_stop_str_in_output)
+
+    def _complete_prefills(self, batch: SchedulerOutput) -> None:
+        for chunk in batch.prefills:
+            self.scheduler.complete_chunk(chunk)
+            if chunk.is_last:
+                log.info("prefill done", extra={"request_id": chunk.seq.request_id,
+                                                "prompt_tokens": chunk.seq.num_prompt_tokens})
+
+    def _postprocess(self, seqs: list[Sequence], sampled: SampleOutput | None) -> list[SequenceOutput]:
+        if sampled is None:
+            return []
+        now = time.time()
+        outputs = []
+        for row, seq in enumerate(seqs):
+            token = sampled.token_ids[row]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_token_ids.append(token)
+            text = self._append_text(seq, token)
+            outputs.append(SequenceOutput(
+                request_id=seq.request_id, index=seq.index, token_ids=[token], text=text,
+                logprobs=self._logprob_entry(sampled, row, token), finished=seq.is_finished,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=len(seq.output_token_ids)))
+        return outputs
+
+    def _append_text(self, seq: Sequence, token: int) -> str:
+        """Detokenize one token, then decide whether the sequence ends here."""
+        params, stream = seq.params, seq.text_stream
+        num_out = len(seq.output_token_ids)
+        if token in params.stop_token_ids and num_out > params.min_tokens:
+            return self._finish(seq, FinishReason.STOP, token, stream.finish())
+        if token == self.eos_token_id and not params.ignore_eos:
+            return self._finish(seq, FinishReason.STOP, None, stream.finish())
+        text = stream.push(token)
+        if stream.stopped:  # stop strings apply from the first token (min_tokens bans eos/stop ids)
+            return self._finish(seq, FinishReason.STOP, stream.stop_str, text)
+        if num_out >= params.max_tokens or seq.num_prompt_tokens + num_out >= self.config.max_model_len:
+            return self._finish(seq, FinishReason.LENGTH, None, text + stream.finish())
+        return text
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason, text: str) -> str:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+        family = self._sequences.get(seq.request_id, [])
+        if all(s.status == Status.FINISHED for s in family):
+            self._sequences.pop(seq.request_id, None)
+        log.info("sequence finished", extra={"request_id": seq.request_id, "index": seq.index,
+                                             "finish_reason": reason.value,
+                                             "output_tokens": len(seq.output_token_ids)})
+        return text
+
+    @staticmethod
+    def _logprob_entry(sampled: SampleOutput, row: int, token: int) -> list[TokenLogprob] | None:
+        if sampled.logprobs is None or sampled.logprobs[row] is None:
+            return None
+        top = sampled.top_logprobs[row] if sampled.top_logprobs is not None else []
+        return [TokenLogprob(token, sampled.logprobs[row], top)]

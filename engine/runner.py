@@ -1,0 +1,100 @@
+"""The model runner: owns every tensor (weights, state pool, sampler) and runs a scheduled step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model import ReferenceRwkv7
+from engine.sampler import SampleOutput, Sampler
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+from engine.state import StatePool
+from engine.weights import Rwkv7Weights
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, weights: Rwkv7Weights, eos_token_ids: list[int]):
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype = TORCH_DTYPES[config.resolved_dtype()]
+        self.state_dtype = TORCH_DTYPES[config.state_dtype]
+        self.shape = weights.shape
+        self.eos_token_ids = eos_token_ids
+        self.backend = self._pick_backend()
+        weights = weights.to(self.device, self.dtype)
+        self.num_slots = self._size_slots(weights)
+        self.pool = StatePool(self.shape, self.num_slots, self.device, self.dtype, self.state_dtype)
+        self.model = self._make_model(weights)
+        self.sampler = Sampler(self.num_slots, self.shape.vocab_size, self.device)
+        log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
+                                              "dtype": str(self.dtype), "num_slots": self.num_slots,
+                                              "state_bytes_per_seq": self.state_bytes_per_seq})
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        return StatePool.bytes_per_slot(self.shape, self.dtype, self.state_dtype)
+
+    def _pick_backend(self) -> str:
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "cuda" if self.device.type == "cuda" else "reference"
+        if backend == "cuda" and self.device.type != "cuda":
+            raise ValueError("backend 'cuda' needs a CUDA device")
+        return backend
+
+    def _size_slots(self, weights: Rwkv7Weights) -> int:
+        if self.device.type != "cuda":
+            return self.config.max_num_seqs
+        from engine.cuda.memory import slots_that_fit
+        return slots_that_fit(self.config, self.shape, self.state_bytes_per_seq, self.device)
+
+    def _make_model(self, weights: Rwkv7Weights):
+        if self.backend == "reference":
+            return ReferenceRwkv7(weights, self.pool)
+        from engine.cuda.model import CudaRwkv7
+        return CudaRwkv7(weights, self.pool, enforce_eager=self.config.enforce_eager)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Fresh state and sampler settings for sequences that just got a slot."""
+        if not seqs:
+            return
+        self.pool.reset(torch.tensor([s.slot for s in seqs], device=self.device))
+        for s in seqs:
+            self.sampler.reset_slot(s.slot, s.params, s.seed, s.prompt_token_ids, self.eos_token_ids)
+
+    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleOutput | None]:
+        """Run the step's prefill chunks and decodes; sample for every sequence that produces a token."""
+        seqs: list[Sequence] = []
+        logits: list[torch.Tensor] = []
+        if batch.prefills:
+            rows = self.model.prefill([c.token_ids for c in batch.prefills], [c.seq.slot for c in batch.prefills])
+            for chunk, row in zip(batch.prefills, rows):
+                if chunk.is_last:
+                    self._fork(chunk.seq)
+                    family = [chunk.seq, *chunk.seq.siblings]
+                    seqs += family
+                    logits.append(row.expand(len(family), -1))
+        if batch.decodes:
+            tokens = torch.tensor([s.last_token_id for s in batch.decodes], device=self.device)
+            slots = torch.tensor([s.slot for s in batch.decodes], device=self.device)
+            seqs += batch.decodes
+            logits.append(self.model.decode(tokens, slots))
+        if not seqs:
+            return [], None
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        return seqs, self.sampler.sample(torch.cat(logits).float(), slots)
+
+    def _fork(self, lead: Sequence) -> None:
+        if not lead.siblings:
+            return
+        dst = torch.tensor([s.slot for s in lead.siblings], device=self.device)
+        self.pool.copy(lead.slot, dst)
+        for s in lead.siblings:
+            self.sampler.copy_slot(lead.slot, s.slot, s.seed)

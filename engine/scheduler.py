@@ -1,0 +1,144 @@
+"""Continuous batching: which sequences decode and which prompt chunks prefill this step.
+
+Plain Python, no tensors. Every step decodes every running sequence; the rest
+of the ``max_num_batched_tokens`` budget goes to prompt chunks, first to
+prompts already being prefilled, then to waiting requests that can get their
+slots (``n`` slots for a request with ``n`` choices). Long prompts are chunked
+across steps, so decode latency stays bounded while prompts arrive.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids[self.start:self.end]
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.seq.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # got slots this step: reset their state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.end - c.start for c in self.prefills)
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return len(self._free) >= n
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, max_num_batched_tokens: int):
+        self.slots = SlotAllocator(num_slots)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()  # lead sequences; siblings ride along
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, lead: Sequence) -> None:
+        self.waiting.append(lead)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(1 + len(s.siblings) for s in (*self.waiting, *self.prefilling)) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(decodes=list(self.running))
+        budget = self.max_num_batched_tokens - len(out.decodes)
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            budget -= self._add_chunk(out, seq, budget)
+        while self.waiting and budget > 0 and self.slots.can_allocate(1 + len(self.waiting[0].siblings)):
+            seq = self.waiting.popleft()
+            self._admit(seq, out)
+            budget -= self._add_chunk(out, seq, budget)
+        return out
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        for s in (seq, *seq.siblings):
+            s.slot = self.slots.allocate()
+            s.status = Status.FORK_PENDING
+            out.admitted.append(s)
+        seq.status = Status.PREFILLING
+        self.prefilling.append(seq)
+
+    @staticmethod
+    def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        take = min(seq.num_remaining_prompt, budget)
+        out.prefills.append(PrefillChunk(seq, seq.num_prefilled, seq.num_prefilled + take))
+        return take
+
+    def complete_chunk(self, chunk: PrefillChunk) -> None:
+        """Record a chunk as run; a finished prompt starts decoding with its siblings."""
+        seq = chunk.seq
+        seq.num_prefilled = chunk.end
+        if chunk.is_last:
+            self.prefilling.remove(seq)
+            for s in (seq, *seq.siblings):
+                s.status = Status.RUNNING
+                self.running.append(s)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence's slot."""
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        self._release(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove every sequence of a request, wherever it is; returns those removed."""
+        removed = [s for s in self.running if s.request_id == request_id]
+        self.running = [s for s in self.running if s.request_id != request_id]
+        for queue in (self.prefilling, self.waiting):
+            for lead in [s for s in queue if s.request_id == request_id]:
+                queue.remove(lead)
+                removed += [lead, *lead.siblings]
+        for s in removed:
+            self._release(s)
+        return removed
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+        seq.status = Status.FINISHED

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random RWKV-7 models in the official layout, engines on CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RWKV_V7_ON", "1")  # the official package picks its model class at import
+os.environ.setdefault("RWKV_JIT_ON", "1")
+
+try:
+    import torch
+except ImportError:  # api-only environments
+    torch = None
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch is not None and torch.cuda.is_available()
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(model_dir):
+    """2 layers, width 128 (2 heads of 64), the real 65,536-token vocabulary."""
+    from engine.demo import write_demo_model
+    return write_demo_model(model_dir / "tiny.pth", layers=2, width=128, vocab=65536, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_model_path):
+    from engine.weights import load_model
+    return load_model(tiny_model_path)
+
+
+def make_engine(weights, **overrides):
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    cfg = dict(device="cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), weights=weights)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free port for the whole session (AOF on)."""
+    from worker.redis_server import RedisServer
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_url(redis_server):
+    import redis
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield redis_server.url
+    client.flushall()

@@ -1,0 +1,69 @@
+"""Test-side helpers to talk to workers through the queue contract (what the API does, synchronously)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import orjson
+import redis
+
+from worker import contract as c
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def submit(r: redis.Redis, rid: str, prompt: list[int], priority: str = "interactive", n: int = 1,
+           stream: bool = False, **params) -> c.QueuedRequest:
+    params.setdefault("max_tokens", 8)
+    req = c.QueuedRequest(id=rid, prompt_token_ids=prompt, params=params, n=n, stream=stream, priority=priority)
+    r.hset(c.request_key(rid), mapping={"status": c.STATUS_QUEUED, "created": req.created})
+    r.xadd(req.stream_key, req.encode())
+    return req
+
+
+def result(r: redis.Redis, rid: str) -> c.Result | None:
+    data = r.get(c.result_key(rid))
+    return c.Result.decode(data) if data else None
+
+
+def wait_results(r: redis.Redis, rids: list[str], timeout_s: float = 120.0) -> dict[str, c.Result]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pipe = r.pipeline()
+        for rid in rids:
+            pipe.get(c.result_key(rid))
+        values = pipe.execute()
+        if all(values):
+            return {rid: c.Result.decode(v) for rid, v in zip(rids, values)}
+        time.sleep(0.1)
+    missing = [rid for rid, v in zip(rids, values) if not v]
+    raise AssertionError(f"{len(missing)} results missing after {timeout_s} s, e.g. {missing[:5]}")
+
+
+def pending_count(r: redis.Redis) -> int:
+    total = 0
+    for stream in c.STREAMS:
+        try:
+            total += r.xpending(stream, c.GROUP)["pending"]
+        except redis.ResponseError:
+            pass
+    return total
+
+
+def start_worker(redis_url: str, model: str, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "--log-format", "json", "worker",
+           "--redis-url", redis_url, "--model", model, "--device", "cpu", "--name", name, *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def heartbeat(r: redis.Redis, name: str) -> c.Heartbeat | None:
+    data = r.get(c.heartbeat_key(name))
+    return c.Heartbeat.decode(data) if data else None
+
+
+def decode_message(data: bytes) -> dict:
+    return orjson.loads(data)

@@ -1,0 +1,175 @@
+"""Engine behaviour on CPU: prefill/decode equivalence, batch invariance, scheduling, aborts, n > 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import ReferenceRwkv7
+from engine.params import SamplingParams
+from engine.sequence import Request
+from engine.state import StatePool
+from tests.conftest import make_engine
+
+
+def tokens(n: int, seed: int = 0, vocab: int = 65536) -> list[int]:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_all(engine) -> dict[tuple[str, int], list]:
+    """Step until idle; collect each choice's outputs in order."""
+    outs: dict[tuple[str, int], list] = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            return outs
+        for o in engine.step():
+            outs.setdefault((o.request_id, o.index), []).append(o)
+    raise AssertionError("engine did not finish")
+
+
+def generated(outs, rid, index=0) -> list[int]:
+    return [t for o in outs[(rid, index)] for t in o.token_ids]
+
+
+@pytest.fixture()
+def model(tiny_weights):
+    return ReferenceRwkv7(tiny_weights, StatePool(tiny_weights.shape, 6, "cpu"))
+
+
+def test_full_prefill_equals_chunked_prefill_and_decode(model):
+    prompt = tokens(50, seed=1)
+    full = model.prefill([prompt], [0])[0]
+    chunked = None
+    for start, end in [(0, 17), (17, 37), (37, 50)]:
+        chunked = model.prefill([prompt[start:end]], [1])[0]
+    model.prefill([prompt[:40]], [2])
+    for t in prompt[40:]:
+        stepped = model.decode(torch.tensor([t]), torch.tensor([2]))[0]
+    for other in (chunked, stepped):
+        assert torch.allclose(full, other, rtol=1e-5, atol=1e-5)
+    for a, b, c in zip(model.pool.snapshot(0), model.pool.snapshot(1), model.pool.snapshot(2)):
+        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a, c, atol=1e-5)
+
+
+def test_batch_invariance_of_decode(model):
+    for slot in range(6):  # every slot gets a different history
+        model.prefill([tokens(10 + slot, seed=slot)], [slot])
+    saved = [t.clone() for t in (model.pool.att_shift, model.pool.ffn_shift, model.pool.wkv)]
+
+    def restore():
+        for t, s in zip((model.pool.att_shift, model.pool.ffn_shift, model.pool.wkv), saved):
+            t.copy_(s)
+
+    alone = model.decode(torch.tensor([123]), torch.tensor([3]))[0]
+    for slots in ([3, 0, 5], [1, 2, 3, 4, 5, 0], [5, 3]):
+        restore()
+        batch_tokens = torch.tensor([123 if s == 3 else 77 + s for s in slots])
+        logits = model.decode(batch_tokens, torch.tensor(slots))
+        assert torch.allclose(logits[slots.index(3)], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_output_does_not_depend_on_neighbours(tiny_weights):
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7)
+    alone = make_engine(tiny_weights)
+    alone.add(Request("a", tokens(20, seed=2), params))
+    expected = generated(run_all(alone), "a")
+
+    busy = make_engine(tiny_weights, max_num_seqs=4, max_num_batched_tokens=16)
+    for i in range(5):  # neighbours arrive first, so "a" lands in another slot and another batch
+        busy.add(Request(f"n{i}", tokens(30 + i, seed=10 + i), SamplingParams(max_tokens=5 + i)))
+    busy.add(Request("a", tokens(20, seed=2), params))
+    assert generated(run_all(busy), "a") == expected
+
+
+def test_scheduler_respects_token_budget_and_chunks_long_prompts(tiny_weights):
+    engine = make_engine(tiny_weights, max_num_seqs=4, max_num_batched_tokens=16)
+    engine.add(Request("long", tokens(70, seed=3), SamplingParams(max_tokens=3)))
+    engine.add(Request("short", tokens(5, seed=4), SamplingParams(max_tokens=30)))
+    steps = 0
+    while engine.has_work():
+        batch = engine.scheduler.schedule()
+        assert batch.num_tokens <= 16
+        running_before = list(engine.scheduler.running)
+        assert set(map(id, batch.decodes)) == set(map(id, running_before))  # every running seq decodes
+        engine.runner.admit(batch.admitted)
+        seqs, sampled = engine.runner.run(batch)
+        engine._complete_prefills(batch)
+        engine._postprocess(seqs, sampled)
+        steps += 1
+    assert steps >= 70 // 16  # the long prompt was chunked
+
+
+def test_abort_frees_the_slot_at_once(tiny_weights):
+    engine = make_engine(tiny_weights, max_num_seqs=2, max_num_batched_tokens=64)
+    for rid in ("a", "b", "c"):
+        engine.add(Request(rid, tokens(8, seed=ord(rid)), SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.step()
+    assert engine.num_free_slots == 0 and engine.num_running == 2
+    assert engine.abort("a")
+    assert engine.num_free_slots == 1 and not engine.has_request("a")
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {"b", "c"}  # "c" was admitted into the freed slot
+    assert not engine.abort("a")
+
+
+def test_n_choices_share_one_prefill(tiny_weights):
+    engine = make_engine(tiny_weights)
+    prompt = tokens(30, seed=5)
+    engine.add(Request("g", prompt, SamplingParams(max_tokens=6, temperature=0.0), n=3))
+    engine.add(Request("s", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=1), n=3))
+    prefill_tokens = []
+    real_prefill = engine.runner.model.prefill
+    engine.runner.model.prefill = lambda chunks, slots: (prefill_tokens.append(sum(map(len, chunks))),
+                                                         real_prefill(chunks, slots))[1]
+    outs = run_all(engine)
+    assert sum(prefill_tokens) == 2 * len(prompt)  # once per request, not once per choice
+    greedy = [generated(outs, "g", i) for i in range(3)]
+    assert greedy[0] == greedy[1] == greedy[2]
+    sampled = [tuple(generated(outs, "s", i)) for i in range(3)]
+    assert len(set(sampled)) == 3
+
+
+def test_greedy_matches_official_package(tiny_model_path, tiny_weights):
+    from rwkv.model import RWKV
+    official = RWKV(model=str(tiny_model_path)[:-4], strategy="cpu fp32")
+    prompt = tokens(40, seed=6)
+    logits, state = official.forward(prompt, None)
+    expected = []
+    for _ in range(20):
+        expected.append(int(logits.argmax()))
+        logits, state = official.forward(expected[-1], state)
+    engine = make_engine(tiny_weights)
+    engine.add(Request("x", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
+    assert generated(run_all(engine), "x") == expected
+
+
+def test_finish_reasons_and_text(tiny_weights):
+    engine = make_engine(tiny_weights)
+    engine.add(Request("len", tokens(10, seed=7), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    outs = run_all(engine)["len", 0]
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 4
+    assert all(not o.finished for o in outs[:-1])
+
+    # a stop string taken from the model's own greedy output ends it there
+    engine.add(Request("probe", tokens(10, seed=8), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+    text = "".join(o.text for o in run_all(engine)["probe", 0])
+    stop = text[10:13]
+    assert len(stop) == 3
+    engine.add(Request("stop", tokens(10, seed=8), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                   ignore_eos=True, stop=[stop])))
+    outs = run_all(engine)["stop", 0]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert "".join(o.text for o in outs) == text[:text.index(stop)]
+
+
+def test_empty_prompt_and_bad_requests(tiny_weights):
+    engine = make_engine(tiny_weights, max_model_len=100)
+    engine.add(Request("empty", [], SamplingParams(max_tokens=3)))
+    assert len(generated(run_all(engine), "empty")) >= 1
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add(Request("bad", [1, 70000], SamplingParams()))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add(Request("long", tokens(90), SamplingParams(max_tokens=20)))
+    with pytest.raises(ValueError, match="n must be"):
+        engine.add(Request("n", [1], SamplingParams(), n=100))
+    assert not engine.has_work()

@@ -1,0 +1,200 @@
+"""The ``gaggle`` command. Heavy imports (torch) happen inside the subcommands that need them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from worker.logs import setup_logging
+
+DEFAULT_DATA_DIR = ".gaggle"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="RWKV-7 .pth file or fla-hub directory (default: a demo model with random weights)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
+    g.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences (default 256 on GPU, 32 on CPU)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--max-model-len", type=int, default=1 << 20)
+    g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the demo model and embedded Redis data live")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    model = args.model or str(ensure_demo_model(Path(args.data_dir)))
+    device = args.device
+    max_num_seqs = args.max_num_seqs
+    if max_num_seqs is None:
+        max_num_seqs = 32 if device == "cpu" or (device == "auto" and not _has_cuda()) else 256
+    return EngineConfig(model=model, device=device, dtype=args.dtype, state_dtype=args.state_dtype,
+                        backend=args.backend, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
+                        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def ensure_demo_model(data_dir: Path) -> Path:
+    """The demo model (2 layers, width 128, real vocabulary), generated once into ``data_dir``."""
+    path = data_dir / "demo-model-L2-D128.pth"
+    if not path.exists():
+        from engine.demo import write_demo_model
+        print(f"gaggle: no --model given; writing a demo model with RANDOM weights to {path} "
+              "(its output is gibberish until you pass a real RWKV-7 model)", file=sys.stderr)
+        tmp = path.with_suffix(".tmp")
+        write_demo_model(tmp, layers=2, width=128, vocab=65536, seed=0)
+        tmp.rename(path)
+    else:
+        print(f"gaggle: no --model given; using the demo model with random weights at {path}", file=sys.stderr)
+    return path
+
+
+# -- subcommands --------------------------------------------------------------------------
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from engine.demo import PRESETS, write_demo_model
+    layers, width = args.layers, args.width
+    if args.preset:
+        layers, width = PRESETS[args.preset]["layers"], PRESETS[args.preset]["width"]
+    out = write_demo_model(args.out, layers=layers, width=width, vocab=args.vocab,
+                           head_size=args.head_size, seed=args.seed, fmt=args.format)
+    print(f"wrote random RWKV-7 weights ({layers} layers, width {width}, vocab {args.vocab}, "
+          f"{args.format}) to {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import LLMEngine
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    from engine.weights import ModelFormatError
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except ModelFormatError as e:
+        print(f"gaggle: {e}", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop=args.stop or [])
+    engine.add(Request("cli", engine.tokenizer.encode(args.prompt), params))
+    sys.stdout.write(args.prompt)
+    while engine.has_work():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if out.finished:
+                print(f"\n[finish_reason={out.finish_reason}, tokens={out.num_output_tokens}]", file=sys.stderr)
+    sys.stdout.write("\n")
+    return 0
+
+
+def default_worker_name(device: str) -> str:
+    import socket
+    return f"{socket.gethostname()}-{device.replace(':', '')}"
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    if args.check:
+        return check_worker(args.redis_url, args.name or default_worker_name(args.device))
+    from engine.engine import LLMEngine
+    from engine.weights import ModelFormatError
+    from worker.worker import Worker, WorkerConfig
+
+    config = engine_config_from_args(args)
+    try:
+        engine = LLMEngine(config)
+    except ModelFormatError as e:
+        print(f"gaggle: {e}", file=sys.stderr)
+        return 2
+    device = config.resolved_device()
+    cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or default_worker_name(device),
+                       idle_timeout_s=args.idle_timeout, max_deliveries=args.max_deliveries,
+                       drain_timeout_s=args.drain_timeout)
+    worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
+    worker.install_signal_handlers()
+    if args.metrics_port:
+        from worker.metrics import serve_worker_metrics
+        serve_worker_metrics(worker, args.metrics_port)
+    worker.run(burst=args.burst)
+    return 0
+
+
+def check_worker(redis_url: str, name: str) -> int:
+    """Exit status for a container healthcheck: 0 if the worker's heartbeat is fresh."""
+    import redis
+
+    from worker import contract
+    try:
+        alive = redis.Redis.from_url(redis_url, socket_timeout=2).exists(contract.heartbeat_key(name))
+    except redis.RedisError as e:
+        print(f"gaggle: redis unreachable: {e}", file=sys.stderr)
+        return 1
+    print(f"worker {name}: {'alive' if alive else 'no heartbeat'}")
+    return 0 if alive else 1
+
+
+def add_redis_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default="redis://localhost:6379/0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gaggle", description="RWKV-7 generation service")
+    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-model", help="write seeded random RWKV-7 weights")
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=65536)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--preset", choices=["tiny", "0.1b", "0.4b", "1.5b", "2.9b", "7.2b"])
+    p.add_argument("--format", default="pth", choices=["pth", "hf"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("generate", help="generate text from a prompt in this process")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("worker", help="serve requests from Redis on one device")
+    add_engine_args(p)
+    add_redis_arg(p)
+    p.add_argument("--name", help="stable consumer name (default: <host>-<device>)")
+    p.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds before a dead worker's entries are reclaimed")
+    p.add_argument("--max-deliveries", type=int, default=3)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    p.add_argument("--check", action="store_true", help="exit 0 if this worker's heartbeat is fresh, else 1")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    p.set_defaults(func=cmd_worker)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The queue contract: every Redis key and channel name, and every message's schema.
+
+Both ``api/`` and ``worker/`` import this module (it imports no torch). A change
+to the wire format is one change here; ``SCHEMA_VERSION`` moves with it and a
+reader rejects versions it does not know.
+
+Key space (all under ``gaggle:``):
+
+    requests:interactive   stream  API → workers, consumer group "workers"
+    requests:batch         stream  batch-job lines, read after interactive
+    dead                   stream  entries delivered too often, or undecodable
+    out:<id>               pubsub  worker → API: deltas (streaming only) and the final result
+    aborts                 pubsub  API → all workers: request ids to abort
+    cancel:<id>            string  cancel marker with TTL (for requests not yet picked up)
+    result:<id>            string  final result with TTL (written once, NX)
+    req:<id>               hash    request record: status, tenant, endpoint, created, worker
+    text:<id>:<index>      string  text so far of one choice (async requests only)
+    worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model)
+
+Streams are trimmed with XDEL only after XACK, so XLEN = queued + in flight.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+SCHEMA_VERSION = 1
+PREFIX = "gaggle:"
+GROUP = "workers"
+STREAM_INTERACTIVE = PREFIX + "requests:interactive"
+STREAM_BATCH = PREFIX + "requests:batch"
+STREAMS = (STREAM_INTERACTIVE, STREAM_BATCH)  # read in this order
+STREAM_DEAD = PREFIX + "dead"
+CHANNEL_ABORTS = PREFIX + "aborts"
+ENTRY_FIELD = b"data"
+
+RESULT_TTL_S = 24 * 3600
+REQUEST_RECORD_TTL_S = 24 * 3600
+CANCEL_TTL_S = 24 * 3600
+HEARTBEAT_TTL_S = 5.0
+DEFAULT_DEADLINE_S = {"interactive": 3600.0, "batch": 24 * 3600.0}
+
+STATUS_QUEUED, STATUS_RUNNING = "queued", "running"
+STATUS_COMPLETED, STATUS_FAILED, STATUS_CANCELLED, STATUS_EXPIRED = "completed", "failed", "cancelled", "expired"
+TERMINAL_STATUSES = (STATUS_COMPLETED, STATUS_FAILED, STATUS_CANCELLED, STATUS_EXPIRED)
+
+
+def out_channel(request_id: str) -> str:
+    return f"{PREFIX}out:{request_id}"
+
+
+def result_key(request_id: str) -> str:
+    return f"{PREFIX}result:{request_id}"
+
+
+def request_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}"
+
+
+def text_key(request_id: str, index: int) -> str:
+    """Text generated so far by choice ``index`` (async requests with record_text)."""
+    return f"{PREFIX}text:{request_id}:{index}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}cancel:{request_id}"
+
+
+def heartbeat_key(worker_name: str) -> str:
+    return f"{PREFIX}worker:{worker_name}"
+
+
+HEARTBEAT_PATTERN = PREFIX + "worker:*"
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class SchemaError(ValueError):
+    """A message that cannot be decoded, or of a schema version this code does not know."""
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def loads_versioned(data: bytes | str) -> dict:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise SchemaError(f"undecodable message: {e}") from e
+    if not isinstance(obj, dict):
+        raise SchemaError("message is not a JSON object")
+    if obj.get("v") != SCHEMA_VERSION:
+        raise SchemaError(f"unknown schema version {obj.get('v')!r} (this code speaks {SCHEMA_VERSION})")
+    return obj
+
+
+# -- request: API → worker ----------------------------------------------------------------
+
+@dataclass
+class QueuedRequest:
+    """One generation request as it travels in a stream entry."""
+    id: str
+    prompt_token_ids: list[int]
+    params: dict  # engine.params.SamplingParams fields
+    n: int = 1
+    endpoint: str = "completions"  # completions | chat
+    model: str = ""
+    tenant: str = "default"
+    stream: bool = False  # publish per-token deltas
+    record_text: bool = False  # keep "text so far" in the request record (async requests)
+    priority: str = "interactive"  # interactive | batch
+    created: float = field(default_factory=time.time)
+    deadline: float = 0.0  # epoch seconds; 0 = created + DEFAULT_DEADLINE_S[priority]
+    meta: dict = field(default_factory=dict)  # echoed back in the result (e.g. batch custom_id)
+
+    def __post_init__(self) -> None:
+        if not self.deadline:
+            self.deadline = self.created + DEFAULT_DEADLINE_S.get(self.priority, 3600.0)
+
+    @property
+    def stream_key(self) -> str:
+        return STREAM_BATCH if self.priority == "batch" else STREAM_INTERACTIVE
+
+    def encode(self) -> dict[bytes, bytes]:
+        return {ENTRY_FIELD: dumps({"v": SCHEMA_VERSION, **asdict(self)})}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "QueuedRequest":
+        raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
+        if raw is None:
+            raise SchemaError("stream entry has no 'data' field")
+        obj = loads_versioned(raw)
+        obj.pop("v")
+        try:
+            req = cls(**obj)
+        except TypeError as e:
+            raise SchemaError(f"bad request message: {e}") from e
+        if not isinstance(req.id, str) or not isinstance(req.prompt_token_ids, list) or not isinstance(req.params, dict):
+            raise SchemaError("bad request message: id, prompt_token_ids or params has the wrong type")
+        return req
+
+
+def request_id_of(fields: dict) -> str | None:
+    """Best-effort request id of an entry that may not decode (for failing it cleanly)."""
+    raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
+    try:
+        rid = orjson.loads(raw).get("id")
+        return rid if isinstance(rid, str) else None
+    except Exception:
+        return None
+
+
+# -- outputs: worker → API ----------------------------------------------------------------
+# Published on out_channel(id), one message per request per step:
+#   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "logprobs"}]}
+#   {"v":1, "type":"status", "id":..., "status":"running"}
+#   {"v":1, "type":"final", "id":..., "result": <Result dict>}
+
+def delta_message(request_id: str, choices: list[dict]) -> bytes:
+    return dumps({"v": SCHEMA_VERSION, "type": "delta", "id": request_id, "choices": choices})
+
+
+def status_message(request_id: str, status: str) -> bytes:
+    return dumps({"v": SCHEMA_VERSION, "type": "status", "id": request_id, "status": status})
+
+
+def final_message(result: dict) -> bytes:
+    return dumps({"v": SCHEMA_VERSION, "type": "final", "id": result["id"], "result": result})
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None  # [{"token_id", "logprob", "top": [[id, lp], ...]}]
+
+
+@dataclass
+class Result:
+    """The final result of a request, stored under result_key(id)."""
+    id: str
+    status: str
+    endpoint: str = "completions"
+    model: str = ""
+    tenant: str = "default"
+    created: float = 0.0
+    finished: float = field(default_factory=time.time)
+    choices: list[Choice] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: dict | None = None  # {"message", "type", "code"}
+    worker: str = ""
+    meta: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # queued_s, ttft_s, e2e_s
+
+    def to_dict(self) -> dict:
+        return {"v": SCHEMA_VERSION, **asdict(self)}
+
+    def encode(self) -> bytes:
+        return dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "Result":
+        obj = dict(obj)
+        obj.pop("v", None)
+        obj["choices"] = [Choice(**c) for c in obj.get("choices", [])]
+        return cls(**obj)
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "Result":
+        return cls.from_dict(loads_versioned(data))
+
+
+def error_result(req_id: str, status: str, message: str, code: str, *, worker: str = "",
+                 queued: QueuedRequest | None = None) -> Result:
+    """A terminal result that carries no generation: failed, cancelled or expired."""
+    base = dict(endpoint=queued.endpoint, model=queued.model, tenant=queued.tenant, created=queued.created,
+                meta=queued.meta) if queued else {}
+    err_type = "server_error" if status == STATUS_FAILED else "invalid_request_error"
+    return Result(id=req_id, status=status, worker=worker,
+                  error={"message": message, "type": err_type, "code": code}, **base)
+
+
+@dataclass
+class Heartbeat:
+    name: str
+    pid: int
+    host: str
+    device: str
+    model: str
+    num_slots: int
+    running: int
+    free_slots: int
+    tokens_per_s: float
+    started: float
+    ts: float = field(default_factory=time.time)
+    draining: bool = False
+
+    def encode(self) -> bytes:
+        return dumps({"v": SCHEMA_VERSION, **asdict(self)})
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "Heartbeat":
+        obj = loads_versioned(data)
+        obj.pop("v")
+        return cls(**obj)

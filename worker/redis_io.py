@@ -1,0 +1,310 @@
+"""Redis I/O for a worker, off the GPU loop's critical path.
+
+Three daemon threads:
+- reader: XREADGROUP up to the engine's free capacity (interactive first), replays
+  this consumer's own pending entries at start, reclaims (XAUTOCLAIM) entries of
+  dead workers, keeps this worker's in-flight entries fresh, writes the heartbeat;
+- writer: runs each step's commands (PUBLISH, SET, XACK...) as one pipeline,
+  coalescing steps when Redis is slower than the GPU, retrying across restarts;
+- aborts: a pub/sub subscription to the abort channel.
+The main loop only touches queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import redis
+
+from worker import contract as c
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Incoming:
+    stream: str
+    entry_id: bytes
+    fields: dict | None  # None: the entry was deleted from the stream
+    deliveries: int
+    has_result: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class IOConfig:
+    idle_timeout_s: float = 30.0
+    read_block_ms: int = 100
+    reclaim_interval_s: float = 2.0
+    heartbeat_interval_s: float = 1.0
+
+
+Op = tuple  # (redis method name, *args) applied to a pipeline, e.g. ("publish", channel, data)
+
+
+class RedisIO:
+    def __init__(self, redis_url: str, name: str, cfg: IOConfig, heartbeat: Callable[[], c.Heartbeat]):
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=30, health_check_interval=10)
+        self.name = name
+        self.cfg = cfg
+        self.heartbeat = heartbeat
+        self.inbox: queue.Queue[Incoming] = queue.Queue()
+        self.aborts: queue.Queue[str] = queue.Queue()
+        self._outbox: queue.Queue[list[Op]] = queue.Queue()
+        self.capacity = 0  # entries the main loop can take now; written by the main loop only
+        self.reading = True  # False while draining
+        self.last_read_empty = False  # the last read found both streams empty (burst mode)
+        self._owned: dict[bytes, str] = {}  # entry id -> stream, read but not yet acknowledged
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._unflushed = 0
+        self._flushed = threading.Condition()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._ensure_groups()
+        for target in (self._reader_loop, self._writer_loop, self._abort_loop):
+            t = threading.Thread(target=target, name=f"gaggle-{target.__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, flush_timeout_s: float = 10.0) -> None:
+        self.flush(flush_timeout_s)
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+    def _ensure_groups(self) -> None:
+        for stream in c.STREAMS:
+            try:
+                self.redis.xgroup_create(stream, c.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    # -- main-loop side ------------------------------------------------------------
+
+    def submit(self, ops: list[Op]) -> None:
+        """Queue one step's commands; they run in order, as one pipeline, on the writer thread."""
+        if ops:
+            with self._flushed:
+                self._unflushed += 1
+            self._outbox.put(ops)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        with self._flushed:
+            return self._flushed.wait_for(lambda: self._unflushed == 0, timeout=timeout_s)
+
+    def release(self, entry_ids: list[tuple[str, bytes]]) -> None:
+        """Forget entries we will not finish, and make them claimable by others at once."""
+        idle_ms = int(self.cfg.idle_timeout_s * 1000) + 1
+        by_stream: dict[str, list[bytes]] = {}
+        with self._lock:
+            for stream, eid in entry_ids:
+                self._owned.pop(eid, None)
+                by_stream.setdefault(stream, []).append(eid)
+        try:
+            for stream, ids in by_stream.items():
+                self.redis.xclaim(stream, c.GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
+        except redis.RedisError:
+            log.exception("could not release entries", extra={"worker": self.name})
+
+    def forget(self, entry_id: bytes) -> None:
+        with self._lock:
+            self._owned.pop(entry_id, None)
+
+    @property
+    def num_owned(self) -> int:
+        return len(self._owned)
+
+    # -- reader thread -------------------------------------------------------------
+
+    def _reader_loop(self) -> None:
+        next_reclaim = next_beat = next_keepalive = 0.0
+        replayed = False
+        while not self._stop.is_set():
+            try:
+                if not replayed:
+                    self._replay_own_pending()
+                    replayed = True
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._beat()
+                    next_beat = now + self.cfg.heartbeat_interval_s
+                if now >= next_keepalive:
+                    self._keep_alive()
+                    next_keepalive = now + self.cfg.idle_timeout_s / 4
+                if self.reading and now >= next_reclaim:
+                    self._reclaim()
+                    next_reclaim = now + self.cfg.reclaim_interval_s
+                self._read_new()
+            except redis.RedisError as e:
+                log.warning("redis unavailable; retrying", extra={"worker": self.name, "error": str(e)})
+                self._stop.wait(0.5)
+                self._try(self._ensure_groups)
+            except Exception:
+                log.exception("reader thread error", extra={"worker": self.name})
+                self._stop.wait(0.5)
+
+    def _want(self) -> int:
+        return self.capacity - self.inbox.qsize() if self.reading else 0
+
+    def _read_new(self) -> None:
+        want = self._want()
+        if want <= 0:
+            self._stop.wait(0.005)
+            return
+        got = 0
+        for stream in c.STREAMS:  # interactive before batch
+            if want - got <= 0:
+                break
+            got += self._take(self.redis.xreadgroup(c.GROUP, self.name, {stream: ">"}, count=want - got), 1)
+        if got == 0:
+            self.last_read_empty = True
+            got = self._take(self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in c.STREAMS},
+                                                   count=1, block=self.cfg.read_block_ms), 1)
+        if got:
+            self.last_read_empty = False
+
+    def _replay_own_pending(self) -> None:
+        """After a restart under the same name, our own pending entries come first."""
+        for stream in c.STREAMS:
+            reply = self.redis.xreadgroup(c.GROUP, self.name, {stream: "0"}, count=100_000)
+            entries = reply[0][1] if reply else []
+            if entries:
+                log.info("replaying own pending entries", extra={"worker": self.name, "count": len(entries)})
+                self._deliver(stream, entries, None)
+
+    def _reclaim(self) -> None:
+        want = self._want()
+        if want <= 0:
+            return
+        for stream in c.STREAMS:
+            reply = self.redis.xautoclaim(stream, c.GROUP, self.name, int(self.cfg.idle_timeout_s * 1000),
+                                          start_id="0-0", count=want)
+            entries = reply[1] if len(reply) > 1 else []
+            with self._lock:
+                entries = [(eid, f) for eid, f in entries if eid not in self._owned]
+            if entries:
+                log.info("reclaimed entries of an idle consumer", extra={"worker": self.name,
+                                                                          "stream": stream, "count": len(entries)})
+                self._deliver(stream, entries, None)
+                want -= len(entries)
+
+    def _take(self, reply, deliveries: int) -> int:
+        n = 0
+        for stream, entries in reply or []:
+            stream = stream.decode() if isinstance(stream, bytes) else stream
+            self._deliver(stream, entries, deliveries)
+            n += len(entries)
+        return n
+
+    def _deliver(self, stream: str, entries: list, deliveries: int | None) -> None:
+        """Look up delivery counts, existing results and cancel marks in one round trip, then hand over."""
+        pipe = self.redis.pipeline(transaction=False)
+        rids = []
+        for eid, fields in entries:
+            rid = c.request_id_of(fields) if fields else None
+            rids.append(rid)
+            if deliveries is None:
+                pipe.xpending_range(stream, c.GROUP, min=eid, max=eid, count=1)
+            pipe.exists(c.result_key(rid or "?"))
+            pipe.exists(c.cancel_key(rid or "?"))
+        replies = iter(pipe.execute())
+        with self._lock:
+            for eid, _ in entries:
+                self._owned[eid] = stream
+        for (eid, fields), rid in zip(entries, rids):
+            count = deliveries
+            if count is None:
+                pending = next(replies)
+                count = pending[0]["times_delivered"] if pending else 1
+            has_result, cancelled = bool(next(replies)), bool(next(replies))
+            self.inbox.put(Incoming(stream, eid, fields or None, count, has_result and rid is not None,
+                                    cancelled and rid is not None))
+
+    def _keep_alive(self) -> None:
+        """Reset the idle time of our in-flight entries so nobody reclaims a long generation."""
+        with self._lock:
+            by_stream: dict[str, list[bytes]] = {}
+            for eid, stream in self._owned.items():
+                by_stream.setdefault(stream, []).append(eid)
+        for stream, ids in by_stream.items():
+            for i in range(0, len(ids), 1000):
+                self.redis.xclaim(stream, c.GROUP, self.name, 0, ids[i:i + 1000], justid=True)
+
+    def _beat(self) -> None:
+        hb = self.heartbeat()
+        self.redis.set(c.heartbeat_key(self.name), hb.encode(), px=int(c.HEARTBEAT_TTL_S * 1000))
+
+    # -- writer thread -------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batches = [self._outbox.get(timeout=0.1)]
+            except queue.Empty:
+                continue
+            while True:  # coalesce everything that piled up behind a slow round trip
+                try:
+                    batches.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            self._write(batches)
+            with self._flushed:
+                self._unflushed -= len(batches)
+                self._flushed.notify_all()
+
+    def _write(self, batches: list[list[Op]]) -> None:
+        delay = 0.05
+        while True:
+            try:
+                pipe = self.redis.pipeline(transaction=True)
+                for ops in batches:
+                    for name, *args in ops:
+                        if name == "xack_del":
+                            stream, eid = args
+                            pipe.xack(stream, c.GROUP, eid)
+                            pipe.xdel(stream, eid)
+                            self.forget(eid)
+                        else:
+                            getattr(pipe, name)(*args)
+                pipe.execute()
+                return
+            except redis.ConnectionError as e:
+                log.warning("redis write failed; retrying", extra={"worker": self.name, "error": str(e)})
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except redis.RedisError:
+                log.exception("redis write rejected; dropping this batch", extra={"worker": self.name})
+                return
+
+    # -- abort subscription --------------------------------------------------------
+
+    def _abort_loop(self) -> None:
+        pubsub = None
+        while not self._stop.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(c.CHANNEL_ABORTS)
+                msg = pubsub.get_message(timeout=0.1)
+                if msg and msg["type"] == "message":
+                    data = msg["data"]
+                    self.aborts.put(data.decode() if isinstance(data, bytes) else data)
+            except redis.RedisError:
+                pubsub = None
+                self._stop.wait(0.5)
+
+    def _try(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except redis.RedisError:
+            pass

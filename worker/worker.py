@@ -1,0 +1,340 @@
+"""The GPU worker: Redis streams → engine continuous batches → pub/sub deltas and results.
+
+    process input (new entries, aborts, deadlines) → engine.step() → hand outputs to the writer
+
+All Redis round trips happen on RedisIO's threads; this loop only moves items
+between queues and the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+from engine.engine import LLMEngine
+from engine.params import SamplingParams
+from engine.sequence import Request
+from worker import contract as c
+from worker.redis_io import Incoming, IOConfig, Op, RedisIO
+from worker.results import InFlight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str = "redis://localhost:6379/0"
+    name: str = ""
+    idle_timeout_s: float = 30.0  # entries idle this long are reclaimed from their dead owner
+    max_deliveries: int = 3  # then the entry is dead-lettered and its request fails
+    drain_timeout_s: float = 30.0
+    result_ttl_s: int = c.RESULT_TTL_S
+    deadline_check_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = f"{socket.gethostname()}-{os.getpid()}"
+        if self.idle_timeout_s <= 0 or self.max_deliveries < 1:
+            raise ValueError("idle_timeout_s must be > 0 and max_deliveries >= 1")
+
+
+class Worker:
+    def __init__(self, engine: LLMEngine, cfg: WorkerConfig, device: str = "cpu", model_name: str = ""):
+        self.engine = engine
+        self.cfg = cfg
+        self.device = device
+        self.model_name = model_name
+        self.io = RedisIO(cfg.redis_url, cfg.name, IOConfig(idle_timeout_s=cfg.idle_timeout_s), self._heartbeat)
+        self.inflight: dict[str, InFlight] = {}
+        self.started = time.time()
+        self.draining = False
+        self.stop_now = False
+        self._drain_deadline = 0.0
+        self._next_deadline_check = 0.0
+        self._tokens_per_s = 0.0
+        self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
+        self._under_test: str | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.draining:
+            self.stop_now = True  # second signal: exit now
+        else:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
+        log.warning("signal received", extra={"worker": self.cfg.name, "signal": signum,
+                                              "action": "exit now" if self.stop_now else "drain"})
+
+    def run(self, burst: bool = False) -> None:
+        """Serve until signalled (or, with ``burst``, until the streams and the engine are empty)."""
+        self.io.start()
+        log.info("worker started", extra={"worker": self.cfg.name, "device": self.device,
+                                          "slots": self.engine.num_slots, "burst": burst})
+        try:
+            while not self.stop_now:
+                if self.draining and self._drain_step_done():
+                    break
+                self._update_capacity()
+                self._take_incoming()
+                self._apply_aborts()
+                self._expire_deadlines()
+                if self.engine.has_work():
+                    self._step()
+                elif burst and self._is_idle():
+                    break
+                else:
+                    self._wait_for_input()
+        finally:
+            self._shutdown()
+
+    def _drain_step_done(self) -> bool:
+        self.io.reading = False
+        if not self.engine.has_work():
+            return True
+        if time.monotonic() > self._drain_deadline:
+            log.warning("drain timeout; leaving running requests to other workers",
+                        extra={"worker": self.cfg.name, "requests": len(self.inflight)})
+            return True
+        return False
+
+    def _shutdown(self) -> None:
+        self.io.reading = False
+        self.io.flush(timeout_s=10.0)
+        self._release_unfinished()
+        self.io.stop()
+        self.io.redis.delete(c.heartbeat_key(self.cfg.name))
+        log.info("worker stopped", extra={"worker": self.cfg.name})
+
+    def _release_unfinished(self) -> None:
+        """Leave what we did not finish pending, immediately claimable by other workers."""
+        leftovers = [(f.stream, f.entry_id) for f in self.inflight.values()]
+        while not self.io.inbox.empty():
+            item = self.io.inbox.get_nowait()
+            leftovers.append((item.stream, item.entry_id))
+        if leftovers:
+            log.info("releasing unfinished entries", extra={"worker": self.cfg.name, "count": len(leftovers)})
+            self.io.release(leftovers)
+
+    def _is_idle(self) -> bool:
+        return (self.io.inbox.empty() and self.io.last_read_empty and not self.inflight
+                and self.io.flush(0.0) and self.io.num_owned == 0)
+
+    def _wait_for_input(self) -> None:
+        try:
+            item = self.io.inbox.get(timeout=0.02)
+        except Exception:
+            return
+        self._accept(item)
+
+    def _update_capacity(self) -> None:
+        if self._quarantine:
+            self.io.capacity = 0
+            return
+        waiting = self.engine.num_unfinished - self.engine.num_running
+        self.io.capacity = max(0, self.engine.num_free_slots - waiting)
+
+    # -- input ---------------------------------------------------------------------
+
+    def _take_incoming(self) -> None:
+        if self._quarantine:
+            self._admit_from_quarantine()
+            return
+        while not self.io.inbox.empty():
+            self._accept(self.io.inbox.get_nowait())
+
+    def _accept(self, item: Incoming) -> None:
+        if item.fields is None:  # deleted from the stream: nothing left to do
+            self.io.submit([("xack_del", item.stream, item.entry_id)])
+            return
+        try:
+            req = c.QueuedRequest.decode(item.fields)
+        except c.SchemaError as e:
+            self._dead_letter(item, c.request_id_of(item.fields), f"undecodable request: {e}")
+            return
+        if item.has_result or req.id in self.inflight:
+            log.info("duplicate delivery; already handled", extra={"request_id": req.id})
+            if req.id not in self.inflight:
+                self.io.submit([("xack_del", item.stream, item.entry_id)])
+            return
+        if item.deliveries > self.cfg.max_deliveries:
+            self._dead_letter(item, req.id, f"delivered {item.deliveries} times without finishing "
+                                            f"(max_deliveries={self.cfg.max_deliveries})", req)
+            return
+        if item.cancelled:
+            self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_CANCELLED, "cancelled by the client", "cancelled")
+            return
+        if req.deadline and time.time() > req.deadline:
+            self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_EXPIRED, "deadline passed before it ran", "expired")
+            return
+        flight = InFlight(req, item.stream, item.entry_id)
+        self._start(flight)
+
+    def _start(self, flight: InFlight) -> bool:
+        req = flight.request
+        if req.params.get("seed") is None:  # fixed once, so a re-run reproduces what was published
+            req.params["seed"] = random.getrandbits(63)
+        try:
+            params = SamplingParams.from_dict(req.params)
+            self.engine.add(Request(req.id, list(req.prompt_token_ids), params, n=req.n))
+        except (ValueError, TypeError) as e:
+            self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), req.id, f"invalid request: {e}", req)
+            return False
+        self.inflight[req.id] = flight
+        ops: list[Op] = [("hset", c.request_key(req.id), None, None,
+                          {"status": c.STATUS_RUNNING, "worker": self.cfg.name, "started": time.time()})]
+        if req.stream or req.record_text:
+            ops.append(("publish", c.out_channel(req.id), c.status_message(req.id, c.STATUS_RUNNING)))
+        self.io.submit(ops)
+        log.info("request running", extra={"request_id": req.id, "worker": self.cfg.name,
+                                           "prompt_tokens": len(req.prompt_token_ids), "n": req.n})
+        return True
+
+    def _apply_aborts(self) -> None:
+        while not self.io.aborts.empty():
+            rid = self.io.aborts.get_nowait()
+            flight = self.inflight.pop(rid, None)
+            if flight is None:
+                continue
+            self.engine.abort(rid)
+            self._finish_terminal(flight.stream, flight.entry_id, flight.request, c.STATUS_CANCELLED,
+                                  "cancelled by the client", "cancelled", flight)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        if now < self._next_deadline_check:
+            return
+        self._next_deadline_check = now + self.cfg.deadline_check_interval_s
+        wall = time.time()
+        for rid, flight in list(self.inflight.items()):
+            if flight.request.deadline and wall > flight.request.deadline:
+                self.inflight.pop(rid)
+                self.engine.abort(rid)
+                self._finish_terminal(flight.stream, flight.entry_id, flight.request, c.STATUS_EXPIRED,
+                                      "deadline passed during generation", "expired", flight)
+
+    # -- step ----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._on_step_failure(e)
+            return
+        self._under_test = None
+        by_request: dict[str, list[dict]] = {}
+        ops: list[Op] = []
+        finished: list[InFlight] = []
+        for out in outputs:
+            flight = self.inflight.get(out.request_id)
+            if flight is None:
+                continue
+            delta = flight.add(out)
+            if delta is not None and (flight.request.stream or flight.request.record_text):
+                by_request.setdefault(out.request_id, []).append(delta)
+            if out.finished and flight.is_done and flight not in finished:
+                finished.append(flight)
+        for rid, choices in by_request.items():
+            ops += self._delta_ops(self.inflight[rid], choices)
+        for flight in finished:
+            self.inflight.pop(flight.id, None)
+            ops += self._final_ops(flight.stream, flight.entry_id, flight.result(self.cfg.name))
+        self.io.submit(ops)
+        dt = time.perf_counter() - t0
+        if outputs and dt > 0:
+            self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)
+
+    def _delta_ops(self, flight: InFlight, choices: list[dict]) -> list[Op]:
+        rid = flight.id
+        ops: list[Op] = []
+        if flight.request.stream:
+            ops.append(("publish", c.out_channel(rid), c.delta_message(rid, choices)))
+        if flight.request.record_text:
+            for ch in choices:
+                if ch["text"]:
+                    ops.append(("append", c.text_key(rid, ch["index"]), ch["text"]))
+        return ops
+
+    def _final_ops(self, stream: str, entry_id: bytes, result: c.Result) -> list[Op]:
+        data = result.encode()
+        key = c.request_key(result.id)
+        log.info("request finished", extra={"request_id": result.id, "status": result.status,
+                                            "completion_tokens": result.completion_tokens, "worker": self.cfg.name})
+        return [("set", c.result_key(result.id), data, self.cfg.result_ttl_s, None, True),
+                ("hset", key, None, None, {"status": result.status, "finished": result.finished}),
+                ("expire", key, c.REQUEST_RECORD_TTL_S),
+                ("publish", c.out_channel(result.id), c.final_message(result.to_dict())),
+                ("xack_del", stream, entry_id)]
+
+    def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
+                         code: str, flight: InFlight | None = None) -> None:
+        result = c.error_result(req.id, status, message, code, worker=self.cfg.name, queued=req)
+        if flight is not None:  # keep what was generated before the cancel
+            partial = flight.result(self.cfg.name)
+            result.choices, result.completion_tokens = partial.choices, partial.completion_tokens
+            result.prompt_tokens = partial.prompt_tokens
+        log.info("request ended", extra={"request_id": req.id, "status": status, "reason": message})
+        self.io.submit(self._final_ops(stream, entry_id, result))
+
+    def _dead_letter(self, item: Incoming, rid: str | None, reason: str, req: c.QueuedRequest | None = None) -> None:
+        log.error("dead-lettering entry", extra={"request_id": rid, "stream": item.stream, "reason": reason})
+        ops: list[Op] = [("xadd", c.STREAM_DEAD, {b"stream": item.stream, b"entry_id": item.entry_id,
+                                                  b"request_id": rid or "", b"reason": reason,
+                                                  b"data": (item.fields or {}).get(c.ENTRY_FIELD, b"")})]
+        self.io.submit(ops)
+        if rid is None:
+            self.io.submit([("xack_del", item.stream, item.entry_id)])
+            return
+        result = c.error_result(rid, c.STATUS_FAILED, reason, "dead_letter", worker=self.cfg.name, queued=req)
+        self.io.submit(self._final_ops(item.stream, item.entry_id, result))
+
+    # -- a step that raised ----------------------------------------------------------
+
+    def _on_step_failure(self, error: Exception) -> None:
+        """Abort everything in the engine; re-run the requests one at a time to find the culprit."""
+        if self._under_test is not None and self._under_test in self.inflight:
+            culprit = self.inflight.pop(self._under_test)
+            log.exception("request made the engine fail", extra={"request_id": culprit.id})
+            self.engine.abort(culprit.id)
+            self._dead_letter(Incoming(culprit.stream, culprit.entry_id, None, 0), culprit.id,
+                              f"the engine failed on this request: {error!r}", culprit.request)
+        else:
+            log.exception("engine step failed; isolating its requests",
+                          extra={"worker": self.cfg.name, "requests": len(self.inflight)})
+        self._under_test = None
+        for rid, flight in list(self.inflight.items()):
+            self.engine.abort(rid)
+            flight.suppress_tokens = max(len(ch.token_ids) for ch in flight.choices)
+            self._quarantine.append(self._restart(flight))
+        self.inflight.clear()
+
+    @staticmethod
+    def _restart(flight: InFlight) -> InFlight:
+        fresh = InFlight(flight.request, flight.stream, flight.entry_id, received=flight.received)
+        fresh.suppress_tokens = flight.suppress_tokens
+        return fresh
+
+    def _admit_from_quarantine(self) -> None:
+        if self._under_test is not None:
+            return  # the previous suspect has not completed a step yet
+        flight = self._quarantine.pop(0)
+        if self._start(flight):
+            self._under_test = flight.id
+
+    # -- heartbeat -----------------------------------------------------------------
+
+    def _heartbeat(self) -> c.Heartbeat:
+        return c.Heartbeat(name=self.cfg.name, pid=os.getpid(), host=socket.gethostname(), device=self.device,
+                           model=self.model_name, num_slots=self.engine.num_slots, running=self.engine.num_running,
+                           free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),
+                           started=self.started, draining=self.draining)
