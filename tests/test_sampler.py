@@ -1,0 +1,448 @@
+"""Tests for engine.sampler: semantics against per-row references, RNG properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.params import SamplingParams
+from engine.sampler import (Sampler, counter_hash, exponential_noise, mix32, seed_key,
+                            vocab_keys)
+
+
+# ----------------------------------------------------------------- helpers
+
+def slots_of(*slots: int) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+def chi_square(observed: list[int], expected: list[float]) -> float:
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+
+
+def chi_square_bound(dof: int) -> float:
+    # mean dof, sd sqrt(2 dof): ~6 sd of slack keeps a deterministic test robust yet sensitive.
+    return dof + 6.0 * math.sqrt(2.0 * dof) + 10.0
+
+
+def reference_process(row: torch.Tensor, p: SamplingParams, prompt: list[int],
+                      output: list[int], eos: list[int]) -> torch.Tensor:
+    """Steps 1-3 written token by token, independently of the sampler."""
+    out = row.clone().double()
+    for tok, bias in p.logit_bias.items():
+        out[tok] += bias
+    if len(output) < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+        for tok in banned:
+            out[tok] = -math.inf
+    for tok in range(out.numel()):
+        count = output.count(tok)
+        if tok in prompt or count > 0:
+            value = out[tok].item()
+            out[tok] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        out[tok] -= p.frequency_penalty * count
+        if count > 0:
+            out[tok] -= p.presence_penalty
+    return out.float()
+
+
+def allowed_tokens(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The set min_p -> top_k -> top_p leaves, from probabilities in float64."""
+    probs = torch.softmax(row.double() / p.temperature, dim=0).tolist()
+    alive = set(range(len(probs)))
+    if p.min_p > 0:
+        top = max(probs)
+        alive = {i for i in alive if probs[i] >= p.min_p * top}
+    ranked = sorted(alive, key=lambda i: -probs[i])
+    if p.top_k > 0:
+        ranked = ranked[:p.top_k]
+    total = sum(probs[i] for i in ranked)
+    kept, mass = [], 0.0
+    for i in ranked:
+        kept.append(i)
+        mass += probs[i] / total
+        if mass >= p.top_p:
+            break
+    return set(kept)
+
+
+def target_distribution(row: torch.Tensor, p: SamplingParams) -> list[float]:
+    allowed = allowed_tokens(row, p)
+    probs = torch.softmax(row.double() / p.temperature, dim=0).tolist()
+    total = sum(probs[i] for i in allowed)
+    return [probs[i] / total if i in allowed else 0.0 for i in range(len(probs))]
+
+
+def draw_many(p: SamplingParams, row: torch.Tensor, num_slots: int, steps: int) -> list[int]:
+    """num_slots seeds x steps counters, all on the same logits row."""
+    sampler = Sampler(num_slots, row.numel())
+    for slot in range(num_slots):
+        sampler.reset_slot(slot, p, seed=1000 + slot, prompt_token_ids=[])
+    slots = torch.arange(num_slots)
+    logits = row.unsqueeze(0).expand(num_slots, -1).contiguous()
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens += sampler.sample(logits, slots).token_ids
+    return tokens
+
+
+def run_sequence(sampler: Sampler, slot: int, row_pos: int, seq: list[torch.Tensor],
+                 batch_slots: list[int], seed: int) -> list[int]:
+    """Feed seq[t] at row_pos of a batch over batch_slots; neighbours get other logits."""
+    tokens = []
+    for t, row in enumerate(seq):
+        logits = random_logits(len(batch_slots), row.numel(), seed=seed * 100 + t)
+        logits[row_pos] = row
+        out = sampler.sample(logits, torch.tensor(batch_slots))
+        assert batch_slots[row_pos] == slot
+        tokens.append(out.token_ids[row_pos])
+    return tokens
+
+
+# -------------------------------------------------------------------- RNG
+
+def test_counter_hash_is_uniform() -> None:
+    keys = torch.tensor([seed_key(s) for s in range(16)]).repeat_interleave(16)
+    counters = torch.arange(16).repeat(16)
+    h = counter_hash(keys, counters, vocab_keys(4096)).flatten()
+    assert int(h.min()) >= 0 and int(h.max()) < 2 ** 32
+    expected = [h.numel() / 256] * 256
+    for bins in (h >> 24, (h >> 12) & 255, h & 255):
+        observed = torch.bincount(bins, minlength=256).tolist()
+        assert chi_square(observed, expected) < chi_square_bound(255)
+
+
+def test_counter_hash_consecutive_counters_independent() -> None:
+    # Joint distribution of (top 4 bits at counter c, at counter c+1) must be flat.
+    vocab = vocab_keys(8192)
+    key = torch.tensor([seed_key(7)])
+    a = counter_hash(key, torch.tensor([5]), vocab).flatten() >> 28
+    b = counter_hash(key, torch.tensor([6]), vocab).flatten() >> 28
+    observed = torch.bincount(a * 16 + b, minlength=256).tolist()
+    assert chi_square(observed, [8192 / 256] * 256) < chi_square_bound(255)
+
+
+def test_exponential_noise_is_finite_with_unit_mean() -> None:
+    keys = torch.tensor([seed_key(s) for s in range(8)])
+    e = exponential_noise(keys, torch.zeros(8, dtype=torch.int64), vocab_keys(65536))
+    assert bool(torch.isfinite(e).all()) and float(e.min()) > 0
+    assert abs(float(e.double().mean()) - 1.0) < 0.01
+    # Exp(1) tail: P(E > 3) = e^-3.
+    assert abs(float((e > 3).double().mean()) - math.exp(-3)) < 0.003
+
+
+def test_mix32_matches_published_hash() -> None:
+    # Pins the stream: a changed hash would silently change every seeded output.
+    def reference(x: int) -> int:  # Wellons' hash-prospector 32-bit finaliser
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x735A2D97) & 0xFFFFFFFF
+        return x ^ (x >> 15)
+
+    inputs = [0, 1, 2, 0xFFFFFFFF, 0x80000000, 123456789] + torch.randint(
+        0, 2 ** 32, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert mix32(torch.tensor(inputs)).tolist() == [reference(x) for x in inputs]
+
+
+def test_seed_key_accepts_any_int() -> None:
+    keys = {seed_key(s) for s in (0, 1, -1, 2 ** 32, 2 ** 63, 2 ** 70 + 3)}
+    assert len(keys) == 6 and all(0 <= k < 2 ** 32 for k in keys)
+
+
+# ----------------------------------------------------------------- greedy
+
+def test_greedy_equals_argmax() -> None:
+    sampler = Sampler(6, 100)
+    for slot in range(6):
+        sampler.reset_slot(slot, SamplingParams(temperature=0.0), seed=slot, prompt_token_ids=[1])
+    for step in range(4):
+        logits = random_logits(4, 100, seed=step)
+        out = sampler.sample(logits, slots_of(5, 0, 3, 2))
+        assert out.token_ids == logits.argmax(dim=1).tolist()
+        assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_greedy_with_bias_and_penalties_matches_reference() -> None:
+    vocab, eos = 30, [0]
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 2.5, 7: -4.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.8, min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=-0.4),
+        SamplingParams(temperature=0.0),
+    ]
+    prompts = [[1, 2], [4, 9, 9, 11], [2, 3], []]
+    slots = [3, 0, 2, 1]
+    sampler = Sampler(4, vocab)
+    for p, prompt, slot in zip(params, prompts, slots):
+        sampler.reset_slot(slot, p, seed=slot, prompt_token_ids=prompt, eos_token_ids=eos)
+    outputs: list[list[int]] = [[] for _ in params]
+    for step in range(12):
+        # Small scale so penalties and bias flip the argmax often.
+        logits = random_logits(len(slots), vocab, seed=50 + step, scale=1.0)
+        logits[:, 0] += 1.5  # eos is tempting: min_tokens must hold it back
+        refs = [reference_process(logits[i], p, prompt, out, eos)
+                for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs))]
+        processed = sampler.process_logits(logits, torch.tensor(slots))
+        torch.testing.assert_close(processed, torch.stack(refs), rtol=1e-6, atol=1e-5)
+        tokens = sampler.sample(logits, torch.tensor(slots)).token_ids
+        assert tokens == [int(r.argmax()) for r in refs]
+        for out, tok in zip(outputs, tokens):
+            out.append(tok)
+
+
+def test_mixed_greedy_and_sampled_rows() -> None:
+    sampler = Sampler(4, 50)
+    sampler.reset_slot(0, SamplingParams(temperature=0.0), seed=1, prompt_token_ids=[])
+    sampler.reset_slot(1, SamplingParams(temperature=1.5), seed=2, prompt_token_ids=[])
+    sampler.reset_slot(2, SamplingParams(temperature=0.0, top_k=3, top_p=0.5), seed=3, prompt_token_ids=[])
+    sampler.reset_slot(3, SamplingParams(temperature=1.0, top_p=0.9), seed=4, prompt_token_ids=[])
+    sampled: set[int] = set()
+    for step in range(20):
+        logits = random_logits(4, 50, seed=step, scale=0.5)
+        tokens = sampler.sample(logits, slots_of(0, 1, 2, 3)).token_ids
+        argmax = logits.argmax(dim=1).tolist()
+        assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
+        sampled.add(tokens[1] == argmax[1])
+    assert False in sampled  # the hot row really samples
+
+
+# ------------------------------------------------------------ penalties
+
+def test_penalties_change_logits_exactly() -> None:
+    vocab = 12
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                       presence_penalty=0.25)
+    prompt, forced = [1, 2], [3, 3, 4, 2, 3]
+    sampler = Sampler(2, vocab)
+    sampler.reset_slot(1, p, seed=0, prompt_token_ids=prompt)
+    for tok in forced:  # a spike makes greedy emit exactly these tokens
+        spike = torch.zeros(1, vocab)
+        spike[0, tok] = 50.0
+        assert sampler.sample(spike, slots_of(1)).token_ids == [tok]
+    logits = torch.tensor([[0.5, 2.0, -1.0, 3.0, -2.0, 1.0, 0.0, -0.5, 0.1, 0.2, 0.3, -3.0]])
+    got = sampler.process_logits(logits, slots_of(1))[0]
+    expected = logits[0].clone()
+    expected[1] = 2.0 / 1.5                                  # prompt only, positive
+    expected[2] = -1.0 * 1.5 - 0.5 * 1 - 0.25                # prompt + output once, negative
+    expected[3] = 3.0 / 1.5 - 0.5 * 3 - 0.25                 # output three times
+    expected[4] = -2.0 * 1.5 - 0.5 * 1 - 0.25                # output once, negative
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(logits[0, 0], torch.tensor(0.5))      # input left untouched
+
+
+def test_penalty_state_is_lazy() -> None:
+    sampler = Sampler(4, 64)
+    sampler.reset_slot(0, SamplingParams(temperature=0.8, top_k=5, logit_bias={1: 1.0}), 1, [2, 3])
+    sampler.sample(random_logits(1, 64, seed=0), slots_of(0))
+    assert sampler.output_counts is None and sampler.prompt_mask is None
+    sampler.reset_slot(1, SamplingParams(presence_penalty=0.5), 2, [2, 3])
+    assert sampler.output_counts is not None and sampler.output_counts.shape == (4, 64)
+
+
+# ------------------------------------------------- min_tokens, bias, logprobs
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    vocab = 20
+    sampler = Sampler(3, vocab)
+    sampler.reset_slot(0, SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
+                       seed=0, prompt_token_ids=[], eos_token_ids=[0, 9])
+    sampler.reset_slot(1, SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True),
+                       seed=0, prompt_token_ids=[], eos_token_ids=[0, 9])
+    sampler.reset_slot(2, SamplingParams(temperature=1.0, min_tokens=2), seed=5,
+                       prompt_token_ids=[], eos_token_ids=[0, 7, 9])
+    logits = torch.zeros(3, vocab)
+    logits[:, 0], logits[:, 9], logits[:, 7], logits[:, 4] = 30.0, 29.0, 28.0, 10.0
+    history = [sampler.sample(logits, slots_of(0, 1, 2)).token_ids for _ in range(4)]
+    assert [h[0] for h in history] == [4, 4, 4, 0]
+    assert [h[1] for h in history] == [0, 0, 0, 0]  # ignore_eos: eos is not a stop token
+    assert [h[2] for h in history][:2] == [4, 4]  # sampled rows obey the ban too
+    assert history[2][2] in (0, 7, 9)
+
+
+def test_logit_bias_plus_100_forces_token() -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, logit_bias={17: 100.0})
+    tokens = draw_many(p, random_logits(1, 64, seed=3, scale=5.0)[0], num_slots=32, steps=4)
+    assert set(tokens) == {17}
+
+
+def test_logprobs_are_raw_and_top_k_exact() -> None:
+    vocab = 40
+    sampler = Sampler(4, vocab)
+    sampler.reset_slot(0, SamplingParams(temperature=0.5, logprobs=5, presence_penalty=2.0,
+                                         logit_bias={3: 7.0}), seed=1, prompt_token_ids=[3])
+    sampler.reset_slot(1, SamplingParams(temperature=1.0), seed=2, prompt_token_ids=[])
+    sampler.reset_slot(3, SamplingParams(temperature=0.0, logprobs=0), seed=3, prompt_token_ids=[])
+    for step in range(3):
+        logits = random_logits(3, vocab, seed=step)
+        out = sampler.sample(logits, slots_of(3, 0, 1))
+        raw = torch.log_softmax(logits, dim=1)
+        for row in (0, 1):
+            tok = out.token_ids[row]
+            assert out.logprobs[row] == pytest.approx(raw[row, tok].item(), abs=1e-6)
+        top = raw[1].topk(5)
+        assert [t for t, _ in out.top_logprobs[1]] == top.indices.tolist()
+        assert [v for _, v in out.top_logprobs[1]] == pytest.approx(top.values.tolist(), abs=1e-6)
+        assert out.top_logprobs[0] == []                       # logprobs=0: chosen token only
+        assert math.isnan(out.logprobs[2]) and out.top_logprobs[2] == []
+
+
+# --------------------------------------------------------- reproducibility
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    vocab, steps = 300, 12
+    target = SamplingParams(temperature=0.9, top_k=60, frequency_penalty=0.3, repetition_penalty=1.2)
+    seq = [random_logits(1, vocab, seed=900 + t, scale=1.5)[0] for t in range(steps)]
+
+    alone = Sampler(1, vocab)
+    alone.reset_slot(0, target, seed=42, prompt_token_ids=[5, 6])
+    reference = run_sequence(alone, 0, 0, seq, [0], seed=1)
+
+    neighbours = [SamplingParams(temperature=t, top_p=tp, min_p=mp, logit_bias=b, logprobs=lp)
+                  for t, tp, mp, b, lp in [(1.0, 0.5, 0.0, {}, None), (0.0, 1.0, 0.0, {1: 3.0}, 2),
+                                           (1.3, 1.0, 0.1, {}, None), (0.7, 0.9, 0.0, {}, 4),
+                                           (1.0, 1.0, 0.0, {}, None), (0.5, 0.8, 0.05, {9: -5.0}, None),
+                                           (2.0, 1.0, 0.0, {}, 1)]]
+    for target_slot, batch, seed in [(5, [0, 1, 7, 5, 2, 3, 4, 6], 2), (2, [6, 4, 3, 1, 0, 7, 2, 5], 3)]:
+        sampler = Sampler(8, vocab)
+        others = [s for s in range(8) if s != target_slot]
+        for s, p in zip(others, neighbours):
+            sampler.reset_slot(s, p, seed=s + 17 * seed, prompt_token_ids=[5, 7])
+        sampler.reset_slot(target_slot, target, seed=42, prompt_token_ids=[5, 6])
+        got = run_sequence(sampler, target_slot, batch.index(target_slot), seq, batch, seed)
+        assert got == reference
+
+
+def test_different_seeds_give_different_tokens() -> None:
+    vocab = 300
+    p = SamplingParams(temperature=1.0)
+    seq = [random_logits(1, vocab, seed=t, scale=0.5)[0] for t in range(10)]
+    runs = []
+    for seed in (1, 2):
+        sampler = Sampler(1, vocab)
+        sampler.reset_slot(0, p, seed=seed, prompt_token_ids=[])
+        runs.append(run_sequence(sampler, 0, 0, seq, [0], seed=0))
+    assert runs[0] != runs[1]
+
+
+# ---------------------------------------------------------------- filters
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.8, top_p=0.6),
+    SamplingParams(temperature=1.2, min_p=0.1),
+    SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05),
+    SamplingParams(temperature=1.5, top_k=1),
+])
+def test_filters_never_sample_outside_their_set(params: SamplingParams) -> None:
+    row = random_logits(1, 40, seed=11, scale=1.5)[0]
+    allowed = allowed_tokens(row, params)
+    tokens = draw_many(params, row, num_slots=128, steps=8)
+    assert set(tokens) <= allowed
+    assert len(set(tokens)) == len(allowed) or len(allowed) > 8  # small sets are fully reached
+
+
+@pytest.mark.parametrize("with_top_p_row", [False, True])
+def test_per_row_top_k_in_a_mixed_batch(with_top_p_row: bool) -> None:
+    # Different k per row exercises both the topk-at-max-k path and the sorted path.
+    vocab, ks = 40, [1, 3, 7, 0, 12]
+    row = random_logits(1, vocab, seed=21, scale=1.0)[0]
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in ks]
+    if with_top_p_row:
+        params.append(SamplingParams(temperature=1.0, top_p=0.5))
+    copies = 64
+    sampler = Sampler(len(params) * copies, vocab)
+    for slot in range(len(params) * copies):
+        sampler.reset_slot(slot, params[slot % len(params)], seed=slot, prompt_token_ids=[])
+    slots = torch.arange(len(params) * copies)
+    seen: list[set[int]] = [set() for _ in params]
+    for _ in range(4):
+        tokens = sampler.sample(row.expand(len(slots), -1), slots).token_ids
+        for slot, tok in enumerate(tokens):
+            seen[slot % len(params)].add(tok)
+    for p, got in zip(params, seen):
+        allowed = allowed_tokens(row, p)
+        assert got <= allowed
+        assert len(got) == len(allowed) or len(allowed) > 12
+
+
+def test_reused_slot_starts_clean() -> None:
+    # A slot admitted again must forget counts, bias and counter, and apply its new features.
+    vocab = 16
+    sampler = Sampler(2, vocab)
+    sampler.reset_slot(0, SamplingParams(temperature=0.0, frequency_penalty=1.0,
+                                         logit_bias={2: 5.0}), 1, [])
+    for _ in range(3):
+        sampler.sample(random_logits(1, vocab, seed=0), slots_of(0))
+    new = SamplingParams(temperature=0.0, presence_penalty=0.5, logprobs=2, min_tokens=1)
+    sampler.reset_slot(0, new, 1, [], eos_token_ids=[3])
+    # A neighbour with a bias keeps the bias stage running: slot 0's old bias must be gone.
+    sampler.reset_slot(1, SamplingParams(temperature=0.0, logit_bias={5: 1.0}), 2, [])
+    logits = random_logits(1, vocab, seed=4)
+    expected = reference_process(logits[0], new, [], [], [3])
+    torch.testing.assert_close(sampler.process_logits(logits, slots_of(0))[0], expected)
+    out = sampler.sample(logits, slots_of(0))
+    assert out.token_ids == [int(expected.argmax())] and len(out.top_logprobs[0]) == 2
+
+
+def test_release_slot_drops_its_features() -> None:
+    sampler = Sampler(2, 30)
+    sampler.reset_slot(0, SamplingParams(temperature=1.0, top_p=0.5, logprobs=3), 1, [])
+    sampler.reset_slot(1, SamplingParams(temperature=0.0), 2, [])
+    logits = random_logits(1, 30, seed=0)
+    first = sampler.sample(logits, slots_of(1))
+    assert first.logprobs is not None and math.isnan(first.logprobs[0])  # slot 0 still live
+    sampler.release_slot(0)
+    out = sampler.sample(logits, slots_of(1))
+    assert out.token_ids == logits.argmax(dim=1).tolist() and out.logprobs is None
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.7, min_p=0.02),
+])
+def test_empirical_distribution_matches_softmax(params: SamplingParams) -> None:
+    row = torch.tensor([1.0, 0.5, 0.0, -0.3, -1.0, 0.8, -2.0, 0.2])
+    tokens = draw_many(params, row, num_slots=512, steps=24)
+    expected = [q * len(tokens) for q in target_distribution(row, params)]
+    observed = torch.bincount(torch.tensor(tokens), minlength=row.numel()).tolist()
+    support = sum(q > 0 for q in expected)
+    assert all(o == 0 for o, e in zip(observed, expected) if e == 0)
+    assert chi_square(observed, expected) < chi_square_bound(support - 1)
+
+
+# ------------------------------------------------------------------ forks
+
+def test_copy_slot_forks_params_and_counts_with_a_new_seed() -> None:
+    vocab = 64
+    p = SamplingParams(temperature=1.0, top_k=6, presence_penalty=1.0, repetition_penalty=1.3)
+    sampler = Sampler(4, vocab)
+    sampler.reset_slot(0, p, seed=10, prompt_token_ids=[1, 2, 3])
+    for step in range(3):
+        sampler.sample(random_logits(1, vocab, seed=step), slots_of(0))
+    sampler.copy_slot(0, 2, seed=99)
+    sampler.copy_slot(0, 3, seed=10)  # same seed: an exact replica
+    assert torch.equal(sampler.output_counts[2], sampler.output_counts[0])
+    assert int(sampler.output_counts[2].sum()) == 3
+    probe = random_logits(1, vocab, seed=7).expand(3, -1)
+    processed = sampler.process_logits(probe, slots_of(0, 2, 3))
+    assert torch.equal(processed[0], processed[1]) and torch.equal(processed[0], processed[2])
+
+    streams: list[list[int]] = [[], [], []]
+    for step in range(12):
+        row = random_logits(1, vocab, seed=100 + step, scale=0.3)
+        allowed = allowed_tokens(sampler.process_logits(row, slots_of(2))[0], p)
+        tokens = sampler.sample(row.expand(3, -1), slots_of(0, 2, 3)).token_ids
+        for stream, tok in zip(streams, tokens):
+            stream.append(tok)
+        assert tokens[1] in allowed  # the fork keeps top_k
+    assert streams[0] == streams[2]
+    assert streams[0] != streams[1]
