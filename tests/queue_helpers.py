@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import orjson
@@ -54,10 +55,19 @@ def pending_count(r: redis.Redis) -> int:
 
 
 def start_worker(redis_url: str, model: str, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """A worker process; its log goes to a file (a pipe nobody reads would block it), see ``log_of``."""
     cmd = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "--log-format", "json", "worker",
            "--redis-url", redis_url, "--model", model, "--device", "cpu", "--name", name, *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tempfile.NamedTemporaryFile(prefix=f"gaggle-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=log)
+    proc.log_path = log.name
+    return proc
+
+
+def log_of(proc: subprocess.Popen, tail: int = 3000) -> str:
+    with open(proc.log_path, errors="replace") as f:
+        return f.read()[-tail:]
 
 
 def heartbeat(r: redis.Redis, name: str) -> c.Heartbeat | None:
@@ -67,3 +77,16 @@ def heartbeat(r: redis.Redis, name: str) -> c.Heartbeat | None:
 
 def decode_message(data: bytes) -> dict:
     return orjson.loads(data)
+
+
+def wait_running(r: redis.Redis, rids: list[str], timeout_s: float = 120.0) -> bool:
+    """Wait until every request's record says a worker runs it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pipe = r.pipeline()
+        for rid in rids:
+            pipe.hget(c.request_key(rid), "status")
+        if all(v == c.STATUS_RUNNING.encode() for v in pipe.execute()):
+            return True
+        time.sleep(0.02)
+    return False

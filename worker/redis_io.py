@@ -161,17 +161,16 @@ class RedisIO:
         if want <= 0:
             self._stop.wait(0.005)
             return
+        self.last_read_empty = False  # a read is in flight: not idle until it comes back empty
         got = 0
         for stream in c.STREAMS:  # interactive before batch
             if want - got <= 0:
                 break
             got += self._take(self.redis.xreadgroup(c.GROUP, self.name, {stream: ">"}, count=want - got), 1)
         if got == 0:
-            self.last_read_empty = True
             got = self._take(self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in c.STREAMS},
                                                    count=1, block=self.cfg.read_block_ms), 1)
-        if got:
-            self.last_read_empty = False
+        self.last_read_empty = got == 0
 
     def _replay_own_pending(self) -> None:
         """After a restart under the same name, our own pending entries come first."""

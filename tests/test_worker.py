@@ -1,0 +1,237 @@
+"""The worker against a real redis-server: delivery, crash safety, poison entries, lifecycle, streaming."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import orjson
+import pytest
+import redis
+
+from tests.conftest import make_engine
+from tests.queue_helpers import (REPO, heartbeat, log_of, pending_count, result, start_worker, submit,
+                                 wait_results, wait_running)
+from worker import contract as c
+from worker.worker import Worker, WorkerConfig
+
+
+def prompt(i: int) -> list[int]:
+    return [1 + (i * 7919 + k * 104729) % 65000 for k in range(5 + i % 7)]
+
+
+@pytest.fixture()
+def r(redis_url):
+    return redis.Redis.from_url(redis_url)
+
+
+class InProcessWorker:
+    """A Worker on a thread, for tests that need to look inside the engine."""
+
+    def __init__(self, weights, redis_url: str, name: str = "w-test", **cfg):
+        self.engine = make_engine(weights, max_num_seqs=4, max_num_batched_tokens=64)
+        self.worker = Worker(self.engine, WorkerConfig(redis_url=redis_url, name=name, **cfg))
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.worker.stop_now = True
+        self.thread.join(timeout=30)
+
+
+def test_thousand_requests_through_two_worker_processes(r, redis_url, tiny_model_path):
+    rids = [f"bulk-{i}" for i in range(1000)]
+    for i, rid in enumerate(rids):
+        submit(r, rid, prompt(i), priority="batch" if i % 2 else "interactive", max_tokens=3, temperature=0.0)
+    workers = [start_worker(redis_url, str(tiny_model_path), f"w{k}", "--burst", "--max-num-seqs", "64",
+                            "--max-num-batched-tokens", "512") for k in range(2)]
+    for w in workers:
+        assert w.wait(timeout=600) == 0, log_of(w)
+    results = wait_results(r, rids, timeout_s=5)
+    assert all(res.status == "completed" and len(res.choices[0].token_ids) == 3 for res in results.values())
+    served_by = {res.worker for res in results.values()}
+    assert served_by == {"w0", "w1"}  # both workers took a share
+    assert pending_count(r) == 0
+    assert sum(r.xlen(s) for s in c.STREAMS) == 0  # acknowledged entries are deleted
+    # greedy is deterministic: the same prompt gives the same tokens whichever worker ran it
+    again = [f"again-{i}" for i in range(3)]
+    for i, rid in enumerate(again):
+        submit(r, rid, prompt(i), max_tokens=3, temperature=0.0)
+    w = start_worker(redis_url, str(tiny_model_path), "w2", "--burst")
+    assert w.wait(timeout=300) == 0
+    for i, rid in enumerate(again):
+        assert result(r, rid).choices[0].token_ids == results[rids[i]].choices[0].token_ids
+
+
+def test_sigkill_mid_generation_is_recovered_by_the_other_worker(r, redis_url, tiny_model_path):
+    rids = [f"kill-{i}" for i in range(50)]
+    for i, rid in enumerate(rids):
+        submit(r, rid, prompt(i), max_tokens=60, temperature=0.0, ignore_eos=True)
+    victim = start_worker(redis_url, str(tiny_model_path), "victim", "--idle-timeout", "3",
+                          "--max-num-seqs", "64", "--max-num-batched-tokens", "512")
+    if not wait_running(r, rids):  # all 50 mid-generation on the victim
+        victim.kill()
+        pytest.fail("victim never ran all 50 requests")
+    assert not any(result(r, rid) for rid in rids)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    survivor = start_worker(redis_url, str(tiny_model_path), "survivor", "--idle-timeout", "3",
+                            "--max-num-seqs", "64", "--max-num-batched-tokens", "512")
+    try:
+        results = wait_results(r, rids, timeout_s=300)
+    finally:
+        survivor.send_signal(signal.SIGTERM)
+        survivor.wait(timeout=60)
+    assert {res.worker for res in results.values()} == {"survivor"}
+    assert all(res.status == "completed" and len(res.choices[0].token_ids) == 60 for res in results.values())
+    assert pending_count(r) == 0
+    time.sleep(c.HEARTBEAT_TTL_S)
+    assert heartbeat(r, "victim") is None  # a dead worker's slots stop counting
+
+
+def test_queued_requests_survive_a_redis_restart(tmp_path, tiny_model_path):
+    from worker.redis_server import RedisServer
+    server = RedisServer(tmp_path / "data").start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        rids = [f"aof-{i}" for i in range(20)]
+        for i, rid in enumerate(rids):
+            submit(client, rid, prompt(i), max_tokens=4)
+        time.sleep(1.2)  # appendfsync everysec
+        server.stop()
+        server = RedisServer(tmp_path / "data", port=server.port).start()
+        client = redis.Redis.from_url(server.url)
+        assert client.xlen(c.STREAM_INTERACTIVE) == 20
+        w = start_worker(server.url, str(tiny_model_path), "after-restart", "--burst")
+        assert w.wait(timeout=300) == 0, log_of(w)
+        assert all(res.status == "completed" for res in wait_results(client, rids, 5).values())
+    finally:
+        server.stop()
+
+
+def test_poison_entries_are_dead_lettered_and_others_served(r, redis_url, tiny_weights):
+    r.xgroup_create(c.STREAM_INTERACTIVE, c.GROUP, id="0", mkstream=True)
+    r.xadd(c.STREAM_INTERACTIVE, {c.ENTRY_FIELD: b"{not json"})
+    r.xadd(c.STREAM_INTERACTIVE, {c.ENTRY_FIELD: orjson.dumps({"v": 99, "id": "future"})})
+    submit(r, "bad-token", [1, 999_999], max_tokens=4)
+    submit(r, "bad-param", [1, 2], max_tokens=4, temperature=-1)
+    good = [f"good-{i}" for i in range(5)]
+    for i, rid in enumerate(good):
+        submit(r, rid, prompt(i), max_tokens=4)
+    w = InProcessWorker(tiny_weights, redis_url)
+    w.worker.run(burst=True)
+    assert all(res.status == "completed" for res in wait_results(r, good, 5).values())
+    for rid, words in (("future", "schema version"), ("bad-token", "outside the vocabulary"),
+                       ("bad-param", "temperature")):
+        res = result(r, rid)
+        assert res.status == "failed" and words in res.error["message"], (rid, res.error)
+    dead = r.xrange(c.STREAM_DEAD)
+    assert len(dead) == 4
+    assert any(b"undecodable" in fields[b"reason"] for _, fields in dead)
+    assert pending_count(r) == 0
+
+
+def test_a_request_that_breaks_the_step_is_isolated(r, redis_url, tiny_weights):
+    poison_token = 4242
+    w = InProcessWorker(tiny_weights, redis_url)
+    model = w.engine.runner.model
+    real_prefill = model.prefill
+
+    def failing_prefill(chunks, slots):  # fault injection: this prompt crashes the model
+        if any(poison_token in chunk for chunk in chunks):
+            raise RuntimeError("simulated kernel failure")
+        return real_prefill(chunks, slots)
+
+    model.prefill = failing_prefill
+    rids = [f"ok-{i}" for i in range(6)]
+    for i, rid in enumerate(rids[:3]):
+        submit(r, rid, prompt(i), max_tokens=5, temperature=0.0)
+    submit(r, "poison", [1, poison_token, 3], max_tokens=5)
+    for i, rid in enumerate(rids[3:], start=3):
+        submit(r, rid, prompt(i), max_tokens=5, temperature=0.0)
+    w.worker.run(burst=True)
+    results = wait_results(r, rids + ["poison"], 5)
+    assert results["poison"].status == "failed" and "simulated kernel failure" in results["poison"].error["message"]
+    assert all(results[rid].status == "completed" and len(results[rid].choices[0].token_ids) == 5 for rid in rids)
+    assert len(r.xrange(c.STREAM_DEAD)) == 1
+
+
+def test_abort_frees_the_slot_within_one_step(r, redis_url, tiny_weights):
+    with InProcessWorker(tiny_weights, redis_url) as w:
+        submit(r, "long", prompt(1), max_tokens=10_000, ignore_eos=True)
+        deadline = time.monotonic() + 30
+        while w.engine.num_running < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.engine.num_free_slots == 3
+        steps = []
+        real_step = w.engine.step
+        w.engine.step = lambda: (steps.append(1), real_step())[1]
+        r.publish(c.CHANNEL_ABORTS, "long")
+        while w.engine.num_free_slots < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        steps_after_abort = len(steps)
+        res = wait_results(r, ["long"], 10)["long"]
+    assert w.engine.num_free_slots == 4
+    assert steps_after_abort <= 2  # applied between steps: at most the step in flight plus one
+    assert res.status == "cancelled" and 0 < res.completion_tokens < 10_000
+
+
+def test_cancel_marker_and_deadline_for_queued_requests(r, redis_url, tiny_weights):
+    submit(r, "cancelled-early", prompt(1), max_tokens=4)
+    r.set(c.cancel_key("cancelled-early"), 1)
+    req = c.QueuedRequest(id="too-late", prompt_token_ids=[1, 2], params={"max_tokens": 4},
+                          created=time.time() - 10, deadline=time.time() - 1)
+    r.xadd(req.stream_key, req.encode())
+    InProcessWorker(tiny_weights, redis_url).worker.run(burst=True)
+    assert result(r, "cancelled-early").status == "cancelled"
+    assert result(r, "too-late").status == "expired"
+
+
+def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url, tiny_weights):
+    pubsub = r.pubsub()
+    pubsub.subscribe(c.out_channel("s"), c.out_channel("q"))
+    for _ in range(2):
+        pubsub.get_message(timeout=1)  # subscribe confirmations
+    submit(r, "s", prompt(3), stream=True, n=2, max_tokens=12, temperature=1.0, seed=5)
+    submit(r, "q", prompt(4), max_tokens=12)
+    InProcessWorker(tiny_weights, redis_url).worker.run(burst=True)
+    messages = {"s": [], "q": []}
+    while (msg := pubsub.get_message(timeout=1)) is not None:
+        if msg["type"] == "message":
+            body = orjson.loads(msg["data"])
+            messages[body["id"]].append(body)
+    assert [m["type"] for m in messages["q"]] == ["final"]
+    kinds = [m["type"] for m in messages["s"]]
+    assert kinds[0] == "status" and kinds[-1] == "final" and set(kinds[1:-1]) == {"delta"}
+    final = messages["s"][-1]["result"]
+    for index in range(2):
+        deltas = [ch for m in messages["s"] if m["type"] == "delta" for ch in m["choices"] if ch["index"] == index]
+        assert "".join(d["text"] for d in deltas) == final["choices"][index]["text"]
+        assert [t for d in deltas for t in d["token_ids"]] == final["choices"][index]["token_ids"]
+        assert deltas[-1]["finish_reason"] == final["choices"][index]["finish_reason"]
+
+
+def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_path):
+    rids = [f"drain-{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        submit(r, rid, prompt(i), max_tokens=300, ignore_eos=True)
+    w = start_worker(redis_url, str(tiny_model_path), "drainer", "--max-num-seqs", "4")
+    check = [sys.executable, "-m", "worker.cli", "worker", "--check", "--name", "drainer", "--redis-url", redis_url]
+    assert wait_running(r, rids)
+    assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 0
+    submit(r, "late", prompt(9), max_tokens=4)  # arrives while draining: left for others
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=120) == 0
+    assert all(res.status == "completed" and res.completion_tokens == 300
+               for res in wait_results(r, rids, 5).values())
+    assert result(r, "late") is None
+    assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 1
+    other = start_worker(redis_url, str(tiny_model_path), "other", "--burst", "--idle-timeout", "2")
+    assert other.wait(timeout=120) == 0
+    assert result(r, "late").status == "completed"
