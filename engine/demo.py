@@ -36,19 +36,20 @@ def lora_ranks(width: int) -> dict[str, int]:
 
 
 def random_state_dict(layers: int = 2, width: int = 128, vocab: int = 65536, head_size: int = 64,
-                      seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                      seed: int = 0, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> dict[str, torch.Tensor]:
     """Random weights under the official key names and shapes (vectors as (1, 1, C))."""
     if width % head_size:
         raise ValueError(f"width {width} must be a multiple of head_size {head_size}")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     C, H, ffn = width, width // head_size, 4 * width
     ranks = lora_ranks(width)
 
     def randn(*shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * std + mean
+        return torch.randn(*shape, generator=g, device=device) * std + mean
 
     def uniform(*shape: int, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
-        return torch.rand(*shape, generator=g) * (hi - lo) + lo
+        return torch.rand(*shape, generator=g, device=device) * (hi - lo) + lo
 
     def vec(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(1, 1, C)

@@ -30,7 +30,8 @@ class ModelRunner:
         self.backend = self._pick_backend()
         weights = weights.to(self.device, self.dtype)
         self.num_slots = self._size_slots(weights)
-        self.pool = StatePool(self.shape, self.num_slots, self.device, self.dtype, self.state_dtype)
+        # one extra scratch slot: padding rows of a CUDA-graph batch write there
+        self.pool = StatePool(self.shape, self.num_slots + 1, self.device, self.dtype, self.state_dtype)
         self.model = self._make_model(weights)
         self.sampler = Sampler(self.num_slots, self.shape.vocab_size, self.device)
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
@@ -53,7 +54,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return self.config.max_num_seqs
         from engine.cuda.memory import slots_that_fit
-        return slots_that_fit(self.config, self.shape, self.state_bytes_per_seq, self.device)
+        return slots_that_fit(self.config, self.state_bytes_per_seq, self.shape.vocab_size, self.device)
 
     def _make_model(self, weights: Rwkv7Weights):
         if self.backend == "reference":

@@ -83,6 +83,11 @@ def load_model(path: str | Path) -> Rwkv7Weights:
     return _to_internal(raw, source=str(path), ln_x_eps=ln_x_eps)
 
 
+def weights_from_state_dict(raw: dict[str, torch.Tensor], source: str = "state dict") -> Rwkv7Weights:
+    """Validate an official-layout state dict already in memory (benchmarks, tests)."""
+    return _to_internal(raw, source=source, ln_x_eps=LN_X_EPS_OFFICIAL)
+
+
 def _read_pth(path: Path) -> dict[str, torch.Tensor]:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

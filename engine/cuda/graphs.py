@@ -1,0 +1,76 @@
+"""CUDA graphs for the decode step, one per batch-size bucket (nano-vllm style).
+
+Buckets ``[1, 2, 4, 8] + range(16, max_bs + 1, 16)``, captured largest first into
+one shared memory pool; a batch is padded to the next bucket, padding rows
+decode a dummy token into the scratch slot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_bs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_bs: int,
+                 scratch_slot: int, device: torch.device):
+        self.step = step
+        self.sizes = bucket_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.scratch_slot = scratch_slot
+        self.tokens = torch.zeros(self.max_bs, dtype=torch.long, device=device)
+        self.slots = torch.full((self.max_bs,), scratch_slot, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+        self._pool = None
+
+    def can_run(self, batch: int) -> bool:
+        return batch <= self.max_bs
+
+    @torch.inference_mode()
+    def capture(self, bs: int) -> None:
+        """Capture one bucket (lazily, on its first use); all buckets share one memory pool."""
+        t0 = time.perf_counter()
+        self.slots[:bs].fill_(self.scratch_slot)
+        self.step(self.tokens[:bs], self.slots[:bs])  # warmup: Triton compiles, cuBLAS picks kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[bs] = self.step(self.tokens[:bs], self.slots[:bs])
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
+        log.info("captured decode graph", extra={"batch": bs, "seconds": round(time.perf_counter() - t0, 3)})
+
+    def capture_all(self) -> None:
+        for bs in reversed(self.sizes):
+            if bs not in self.graphs:
+                self.capture(bs)
+
+    def run(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        n = len(token_ids)
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if bs not in self.graphs:
+            self.capture(bs)
+        self.tokens[:n].copy_(token_ids, non_blocking=True)
+        self.slots[:n].copy_(slots, non_blocking=True)
+        if bs > n:
+            self.slots[n:bs].fill_(self.scratch_slot)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

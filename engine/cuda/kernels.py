@@ -1,0 +1,140 @@
+"""Fused Triton kernels for the decode step, each with a plain-torch twin for tests.
+
+``wkv7_decode``: one program per (sequence, head) reads the head's 64×64 fp32
+state straight from its pool slot, applies the whole per-token time-mix
+epilogue (decay, in-context learning rate, value residual, key update, state
+update, readout, per-head GroupNorm, bonus, gate) and writes the state back:
+each state is read once and written once per layer.
+
+``shift_mix``: gathers each sequence's token-shift vector from its slot,
+writes the new one, and produces the K mixed inputs in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DECAY_SCALE = 0.606531  # exp(-0.5)
+
+
+@triton.jit
+def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
+                        w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
+                        H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
+                        IS_FIRST_LAYER: tl.constexpr, STATE_BF16: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + b).to(tl.int64)
+    offs = h * N + tl.arange(0, N)
+    row = b * C + offs
+    rr = tl.load(r + row).to(tl.float32)
+    kr = tl.load(k + row).to(tl.float32)
+    vr = tl.load(v + row).to(tl.float32)
+    iclr = tl.sigmoid(tl.load(a0 + offs).to(tl.float32) + tl.load(a_lora + row).to(tl.float32))
+    if IS_FIRST_LAYER:
+        vv = vr
+        tl.store(v_first + row, vr.to(v_first.dtype.element_ty))
+    else:
+        vmix = tl.sigmoid(tl.load(v0 + offs).to(tl.float32) + tl.load(v_lora + row).to(tl.float32))
+        vf = tl.load(v_first + row).to(tl.float32)
+        vv = vr + (vf - vr) * vmix
+    kk = kr * tl.load(k_k + offs).to(tl.float32)
+    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, axis=0)), 1e-12)
+    k2 = kr * (1.0 + (iclr - 1.0) * tl.load(k_a + offs).to(tl.float32))
+    w = tl.load(w0 + offs).to(tl.float32) + tl.load(w_lora + row).to(tl.float32)
+    decay = tl.exp(-0.606531 * tl.sigmoid(w))
+    a = -kk
+    bb = kk * iclr
+
+    base = ((slot * H + h) * N) * N
+    idx = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]  # [value, key]
+    s = tl.load(state + base + idx).to(tl.float32)
+    sa = tl.sum(s * a[None, :], axis=1)
+    s = s * decay[None, :] + sa[:, None] * bb[None, :] + vv[:, None] * k2[None, :]
+    y = tl.sum(s * rr[None, :], axis=1)
+    if STATE_BF16:
+        tl.store(state + base + idx, s.to(tl.bfloat16))
+    else:
+        tl.store(state + base + idx, s)
+
+    mean = tl.sum(y, axis=0) / N
+    d = y - mean
+    var = tl.sum(d * d, axis=0) / N
+    yn = d / tl.sqrt(var + eps) * tl.load(ln_w + offs).to(tl.float32) + tl.load(ln_b + offs).to(tl.float32)
+    bonus = tl.sum(rr * k2 * tl.load(r_k + offs).to(tl.float32), axis=0) * vv
+    gate = tl.load(g + row).to(tl.float32)
+    tl.store(out + row, ((yn + bonus) * gate).to(out.dtype.element_ty))
+
+
+def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lora, v_lora, g, v_first,
+                p: dict, layer: int, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view."""
+    B, C = r.shape
+    H, N = state.shape[1], state.shape[2]
+    _wkv7_decode_kernel[(B, H)](
+        state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
+        p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
+        p["ln_x.bias"], out, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
+        STATE_BF16=state.dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+def wkv7_decode_ref(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first, p: dict, layer: int,
+                    eps: float, out: torch.Tensor) -> torch.Tensor:
+    """Plain-torch twin of ``wkv7_decode`` (same inputs, same in-place effects)."""
+    B, C = r.shape
+    H, N = state.shape[1], state.shape[2]
+    f = lambda t: t.float()  # noqa: E731
+    r, k, v = f(r), f(k), f(v)
+    iclr = torch.sigmoid(f(p["a0"]) + f(a_lora))
+    if layer == 0:
+        v_first.copy_(v.to(v_first.dtype))
+    else:
+        v = v + (f(v_first) - v) * torch.sigmoid(f(p["v0"]) + f(v_lora))
+    kk = torch.nn.functional.normalize((k * f(p["k_k"])).view(B, H, N), dim=-1).view(B, C)
+    k2 = k * (1 + (iclr - 1) * f(p["k_a"]))
+    decay = torch.exp(-DECAY_SCALE * torch.sigmoid(f(p["w0"]) + f(w_lora)))
+    s = f(state[slots])
+    a, b = (-kk).view(B, H, N), (kk * iclr).view(B, H, N)
+    s = s * decay.view(B, H, 1, N) + (s @ a[..., None]) @ b[:, :, None, :] + v.view(B, H, N, 1) @ k2.view(B, H, 1, N)
+    state[slots] = s.to(state.dtype)
+    y = (s @ r.view(B, H, N, 1)).view(B, C)
+    y = torch.nn.functional.group_norm(y, H, f(p["ln_x.weight"]), f(p["ln_x.bias"]), eps=eps)
+    bonus = ((r * k2 * f(p["r_k"]).view(C)).view(B, H, N).sum(-1, keepdim=True) * v.view(B, H, N)).view(B, C)
+    out.copy_(((y + bonus) * f(g)).to(out.dtype))
+    return out
+
+
+@triton.jit
+def _shift_mix_kernel(x, shift, slots, mix, out, B, C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    slot = tl.load(slots + b).to(tl.int64)
+    xb = tl.load(x + b * C + offs, mask=mask)
+    prev = tl.load(shift + slot * C + offs, mask=mask).to(xb.dtype)
+    tl.store(shift + slot * C + offs, xb.to(shift.dtype.element_ty), mask=mask)
+    xf = xb.to(tl.float32)
+    delta = prev.to(tl.float32) - xf
+    for j in tl.static_range(K):
+        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
+        tl.store(out + (j * B + b) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
+
+
+def shift_mix(x: torch.Tensor, shift: torch.Tensor, slots: torch.Tensor, mix: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+    """``out[j, b] = x[b] + (shift[slot_b] - x[b]) * mix[j]``; then ``shift[slot_b] = x[b]``."""
+    B, C = x.shape
+    BLOCK = 1024
+    _shift_mix_kernel[(B, triton.cdiv(C, BLOCK))](x, shift, slots, mix, out, B, C=C, K=mix.shape[0],
+                                                   BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def shift_mix_ref(x, shift, slots, mix, out):
+    prev = shift[slots].to(x.dtype)
+    shift[slots] = x.to(shift.dtype)
+    out.copy_((x.float()[None] + (prev.float() - x.float())[None] * mix.float()[:, None]).to(out.dtype))
+    return out

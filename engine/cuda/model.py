@@ -1,0 +1,182 @@
+"""RWKV-7 on CUDA: fla packed chunked prefill, fused batched decode, CUDA graphs.
+
+Same interface as ``engine.model.ReferenceRwkv7`` (``prefill``, ``decode``) and the
+same pool layout (official: wkv ``[value, key]``; fla's is the transpose, handled
+at the prefill boundary).
+
+Decode per layer: LayerNorm → fused token-shift mix (7 mixes, shift state
+gathered/scattered by slot) → one bmm for r/k/v → one padded bmm for the four
+LoRA down projections → tanh/sigmoid → one padded bmm up → fused wkv kernel
+(decay, iclr, value residual, key update, state update, readout, GroupNorm,
+bonus, gate) → addmm output projection with the residual → LayerNorm → fused
+shift mix → key matmul → relu² → addmm value projection with the residual.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.cuda.graphs import DecodeGraphs
+from engine.cuda.kernels import DECAY_SCALE, shift_mix, wkv7_decode
+from engine.state import StatePool
+from engine.weights import Rwkv7Weights
+
+log = logging.getLogger(__name__)
+
+ATT_MIX_ORDER = ("r", "k", "v", "w", "a", "v", "g")  # rkv = mixes[0:3]; LoRA inputs (w, a, v, g) = mixes[3:7]
+LORA_ORDER = ("w", "a", "v", "g")
+DECAY_LOWER_BOUND = -0.6066  # log decay = -exp(-0.5)·sigmoid(·) ≥ -0.60653
+
+
+@dataclass
+class Layer:
+    ln1: tuple[torch.Tensor, torch.Tensor]
+    ln2: tuple[torch.Tensor, torch.Tensor]
+    att_mix: torch.Tensor  # [7, C]
+    rkv_t: torch.Tensor  # [3, C, C] (in, out)
+    lora_down: torch.Tensor  # [4, C, D] zero-padded ranks
+    lora_up: torch.Tensor  # [4, D, C]
+    output: torch.Tensor  # [C, C] (out, in)
+    ffn_mix: torch.Tensor  # [1, C]
+    ffn_key: torch.Tensor  # [F, C]
+    ffn_value: torch.Tensor  # [C, F]
+    p: dict  # vectors for the wkv kernel: w0 a0 v0 k_k k_a r_k ln_x.weight ln_x.bias
+
+
+class CudaRwkv7:
+    name = "cuda"
+
+    def __init__(self, weights: Rwkv7Weights, pool: StatePool, enforce_eager: bool = False,
+                 max_graph_batch: int | None = None):
+        self.shape = s = weights.shape
+        self.pool = pool
+        self.eps = s.ln_x_eps
+        t = weights.tensors
+        self.dtype = t["blocks.0.att.receptance.weight"].dtype
+        self.emb = t["emb.weight"].to(self.dtype)
+        self.ln_out = (t["ln_out.weight"], t["ln_out.bias"])
+        self.head = t["head.weight"]
+        self.layers = [self._prepare_layer(t, i) for i in range(s.n_layer)]
+        self.scratch_slot = pool.num_slots - 1  # padding rows of a graph batch write here
+        self.graphs = None if enforce_eager else DecodeGraphs(self._decode_eager, max_graph_batch or self.scratch_slot,
+                                                              self.scratch_slot, pool.wkv.device)
+
+    def _prepare_layer(self, t: dict, i: int) -> Layer:
+        p = lambda name: t[f"blocks.{i}.{name}"]  # noqa: E731
+        C, dt = self.shape.n_embd, self.dtype
+        ranks = [p(f"att.{x}1").shape[1] if (x != "v" or i > 0) else 0 for x in LORA_ORDER]
+        D = max(ranks)
+        down = torch.zeros(4, C, D, dtype=dt, device=self.emb.device)
+        up = torch.zeros(4, D, C, dtype=dt, device=self.emb.device)
+        for j, (x, r) in enumerate(zip(LORA_ORDER, ranks)):
+            if r:
+                down[j, :, :r], up[j, :r] = p(f"att.{x}1"), p(f"att.{x}2")
+        vec = {n: p(f"att.{n}") for n in ("w0", "a0", "k_k", "k_a", "r_k", "ln_x.weight", "ln_x.bias")}
+        vec["v0"] = p("att.v0") if i > 0 else vec["a0"]
+        return Layer(
+            ln1=(p("ln1.weight"), p("ln1.bias")), ln2=(p("ln2.weight"), p("ln2.bias")),
+            att_mix=torch.stack([p(f"att.x_{x}") for x in ATT_MIX_ORDER]).to(dt).contiguous(),
+            rkv_t=torch.stack([p(f"att.{n}.weight").t() for n in ("receptance", "key", "value")]).contiguous(),
+            lora_down=down, lora_up=up, output=p("att.output.weight"),
+            ffn_mix=p("ffn.x_k").to(dt)[None].contiguous(), ffn_key=p("ffn.key.weight"),
+            ffn_value=p("ffn.value.weight"), p=vec)
+
+    # -- decode ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(len(token_ids)):
+            return self.graphs.run(token_ids, slots)
+        return self._decode_eager(token_ids, slots)
+
+    def _decode_eager(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        pool, C = self.pool, self.shape.n_embd
+        B = token_ids.shape[0]
+        x = self.emb[token_ids]
+        v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
+        att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
+        ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
+        att = torch.empty(B, C, dtype=self.dtype, device=x.device)
+        for i, L in enumerate(self.layers):
+            xx = F.layer_norm(x, (C,), *L.ln1)
+            shift_mix(xx, pool.att_shift[i], slots, L.att_mix, att_mixed)
+            rkv = torch.bmm(att_mixed[0:3], L.rkv_t)
+            lo = torch.bmm(att_mixed[3:7], L.lora_down)
+            lo[0].tanh_()
+            lo[3].sigmoid_()
+            up = torch.bmm(lo, L.lora_up)
+            wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
+                        L.p, i, self.eps, att)
+            x = torch.addmm(x, att, L.output.t())
+            xx = F.layer_norm(x, (C,), *L.ln2)
+            shift_mix(xx, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed)
+            h = torch.relu_(F.linear(ffn_mixed[0], L.ffn_key)).square_()
+            x = torch.addmm(x, h, L.ffn_value.t())
+        x = F.layer_norm(x, (C,), *self.ln_out)
+        return F.linear(x, self.head).float()
+
+    # -- prefill ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """All chunks packed into one sequence with ``cu_seqlens``; returns each chunk's last logits."""
+        device = self.emb.device
+        lengths = [len(c) for c in chunks]
+        cu_cpu = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
+        cu = cu_cpu.to(device, non_blocking=True)
+        tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        starts, ends = cu[:-1], cu[1:] - 1
+        x = self.emb[tokens]
+        v_first = None
+        for i, L in enumerate(self.layers):
+            xx = F.layer_norm(x, (self.shape.n_embd,), *L.ln1)
+            mixed = self._prefill_shift_mix(xx, self.pool.att_shift[i], slot_t, starts, ends, L.att_mix)
+            att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
+            x = torch.addmm(x, att, L.output.t())
+            xx = F.layer_norm(x, (self.shape.n_embd,), *L.ln2)
+            kx = self._prefill_shift_mix(xx, self.pool.ffn_shift[i], slot_t, starts, ends, L.ffn_mix)[0]
+            x = torch.addmm(x, torch.relu_(F.linear(kx, L.ffn_key)).square_(), L.ffn_value.t())
+        x = F.layer_norm(x[ends], (self.shape.n_embd,), *self.ln_out)
+        return F.linear(x, self.head).float()
+
+    @staticmethod
+    def _prefill_shift_mix(xx, shift, slots, starts, ends, mix):
+        prev = torch.roll(xx, 1, 0)
+        prev[starts] = shift[slots].to(xx.dtype)
+        shift[slots] = xx[ends].to(shift.dtype)
+        return torch.addcmul(xx[None], (prev - xx)[None], mix[:, None, :])
+
+    def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
+        from fla.ops.rwkv7 import chunk_rwkv7
+
+        T, C = mixed.shape[1], self.shape.n_embd
+        H, N = self.shape.n_head, self.shape.head_size
+        r, k, v = torch.bmm(mixed[0:3], L.rkv_t)
+        lo = torch.bmm(mixed[3:7], L.lora_down)
+        lo[0].tanh_()
+        lo[3].sigmoid_()
+        up = torch.bmm(lo, L.lora_up)
+        p = L.p
+        iclr = torch.sigmoid(p["a0"] + up[1].float())
+        if i == 0:
+            v_first = v
+        else:
+            v = v + (v_first - v) * torch.sigmoid(p["v0"] + up[2].float()).to(v.dtype)
+        kk = F.normalize((k.float() * p["k_k"]).view(T, H, N), dim=-1).view(T, C)
+        k2 = k.float() * (1 + (iclr - 1) * p["k_a"])
+        log_decay = -DECAY_SCALE * torch.sigmoid(p["w0"] + up[0].float())
+        h0 = self.pool.wkv[i][slots].transpose(-1, -2).float().contiguous()  # fla: [N, H, K, V]
+        as_heads = lambda t: t.to(self.dtype).view(1, T, H, N)  # noqa: E731
+        o, h_final = chunk_rwkv7(as_heads(r), as_heads(log_decay), as_heads(k2), as_heads(v), as_heads(-kk),
+                                 as_heads(kk * iclr), scale=1.0, initial_state=h0, output_final_state=True,
+                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, lower_bound=DECAY_LOWER_BOUND)
+        self.pool.wkv[i][slots] = h_final.transpose(-1, -2).to(self.pool.wkv.dtype)
+        y = F.group_norm(o.view(T, C).float(), H, p["ln_x.weight"], p["ln_x.bias"], eps=self.eps)
+        bonus = ((r.float() * k2 * p["r_k"].view(C)).view(T, H, N).sum(-1, keepdim=True)
+                 * v.float().view(T, H, N)).view(T, C)
+        return ((y + bonus) * up[3].float()).to(self.dtype), v_first
