@@ -85,8 +85,8 @@ class ReferenceRwkv7:
             v = v + (v_first - v) * torch.sigmoid(w[p + "v0"] + (xv @ w[p + "v1"]) @ w[p + "v2"])
         decay = torch.exp(-DECAY_SCALE * torch.sigmoid(w[p + "w0"] + decay_lora.float()))
         y, wkv = wkv_recurrent(r, decay, k, v, -kk, kk * iclr, wkv, H)
-        y = F.group_norm(y.reshape(B * T, C).to(x.dtype), H, w[p + "ln_x.weight"], w[p + "ln_x.bias"],
-                         eps=self.shape.ln_x_eps).view(B, T, C)
+        y = F.group_norm(y.reshape(B * T, C), H, w[p + "ln_x.weight"].float(), w[p + "ln_x.bias"].float(),
+                         eps=self.shape.ln_x_eps).view(B, T, C).to(x.dtype)
         bonus = ((r * k * w[p + "r_k"].view(C)).view(B, T, H, N).sum(-1, keepdim=True) * v.view(B, T, H, N))
         y = y + bonus.view(B, T, C).to(y.dtype)
         return F.linear(y * g, w[p + "output.weight"]), x[:, -1], wkv, v_first

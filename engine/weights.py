@@ -64,7 +64,7 @@ class Rwkv7Weights:
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "Rwkv7Weights":
         """Cast floating weights to ``dtype``; decay-path vectors stay fp32 (they feed exp())."""
-        keep_fp32 = re.compile(r"att\.(w0|k_k|k_a|r_k)$|ln")
+        keep_fp32 = re.compile(r"att\.(w0|k_k|k_a|r_k|ln_x\.weight|ln_x\.bias)$")
         out = {}
         for k, t in self.tensors.items():
             out[k] = t.to(device=device, dtype=torch.float32 if keep_fp32.search(k) else dtype)
@@ -151,7 +151,7 @@ def official_name(hf_name: str) -> str:
     lora = re.fullmatch(r"([wavg])_lora\.(lora\.\d\.(?:weight|bias))", rest)
     if lora:
         rest = lora.group(1) + _HF_LORA[lora.group(2)]
-    else:
+    elif block == "att":
         head, _, tail = rest.partition(".")
         rest = _HF_PROJ.get(head, head) + ("." + tail if tail else "")
     return f"blocks.{layer}.{block}.{rest}"
@@ -167,7 +167,7 @@ def hf_name(official: str) -> str:
     lora = re.fullmatch(r"([wavg])([012])", rest)
     if lora:
         rest = f"{lora.group(1)}_lora." + {v: k for k, v in _HF_LORA.items()}[lora.group(2)]
-    else:
+    elif block == "attn":
         head, _, tail = rest.partition(".")
         rest = {v: k for k, v in _HF_PROJ.items()}.get(head, head) + ("." + tail if tail else "")
     return f"model.layers.{layer}.{block}.{rest}"

@@ -41,20 +41,32 @@ def small_weights():
     return weights_from_state_dict(random_state_dict(layers=3, width=256, vocab=4096, seed=1, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)])
-def test_cuda_path_tracks_fp32_reference(big_weights, dtype, tolerance):
-    ref, fast = reference(big_weights, 2), build(big_weights, dtype, 2)
+@pytest.fixture(scope="module")
+def reference_run(big_weights):
+    """fp32 reference logits over a 1,024-token prompt then 256 sampled decode steps (computed once)."""
+    ref = reference(big_weights, 2)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, 65536, (1024,), generator=gen).tolist()
-    errors = [rel_err(fast.prefill([prompt], [0])[0], ref.prefill([prompt], [0])[0])]
-    token = torch.tensor([int(torch.randint(1, 65536, (1,), generator=gen))], device=DEVICE)
+    logits = [ref.prefill([prompt], [0])[0]]
+    tokens = [int(torch.randint(1, 65536, (1,), generator=gen))]
     slot = torch.tensor([0], device=DEVICE)
     for _ in range(256):
-        expected = ref.decode(token, slot)[0]
-        errors.append(rel_err(fast.decode(token, slot)[0], expected))
-        token = torch.multinomial(torch.softmax(expected, -1), 1)
-    print(f"{dtype}: max rel err {max(errors):.2e}, first {errors[0]:.2e}, last 32 mean "
-          f"{sum(errors[-32:]) / 32:.2e}")
+        logits.append(ref.decode(torch.tensor(tokens[-1:], device=DEVICE), slot)[0])
+        tokens.append(int(torch.multinomial(torch.softmax(logits[-1], -1).cpu(), 1, generator=gen)))
+    del ref
+    return prompt, tokens, logits
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)])
+def test_cuda_path_tracks_fp32_reference(big_weights, reference_run, dtype, tolerance):
+    prompt, tokens, expected = reference_run
+    fast = build(big_weights, dtype, 2)
+    errors = [rel_err(fast.prefill([prompt], [0])[0], expected[0])]
+    slot = torch.tensor([0], device=DEVICE)
+    for step in range(256):
+        errors.append(rel_err(fast.decode(torch.tensor([tokens[step]], device=DEVICE), slot)[0], expected[step + 1]))
+    print(f"{dtype}: max rel err {max(errors):.2e}, prefill {errors[0]:.2e}, first 32 decode mean "
+          f"{sum(errors[1:33]) / 32:.2e}, last 32 mean {sum(errors[-32:]) / 32:.2e}")
     assert max(errors) <= tolerance, errors
     assert sum(errors[-32:]) / 32 <= 2 * sum(errors[1:33]) / 32 + 1e-6  # no drift that grows with steps
 
@@ -138,7 +150,7 @@ def test_hf_layout_matches_fla_model(tmp_path):
     from engine.demo import write_demo_model
     from engine.weights import load_model
     path = write_demo_model(tmp_path / "hf", layers=2, width=256, vocab=1024, seed=4, fmt="hf")
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).to(DEVICE).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(DEVICE).eval()
     prompt = list(range(3, 67))
     with torch.no_grad():
         expected = theirs(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
