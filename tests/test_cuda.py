@@ -104,7 +104,7 @@ def test_graph_decode_equals_eager_bit_for_bit(small_weights):
         a, b = graph.decode(tokens, slots), eager.decode(tokens, slots)
         assert torch.equal(a, b)
         tokens = a.argmax(-1)
-    assert torch.equal(graph.pool.wkv, eager.pool.wkv)
+    assert torch.equal(graph.pool.wkv[:, :11], eager.pool.wkv[:, :11])  # the scratch slot took the padding rows
 
 
 def test_batch_invariance_on_gpu(small_weights):

@@ -22,7 +22,7 @@ DECAY_SCALE = 0.606531  # exp(-0.5)
 @triton.jit
 def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                         w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
-                        H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
+                        B, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
                         IS_FIRST_LAYER: tl.constexpr, STATE_BF16: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -68,16 +68,23 @@ def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_firs
     tl.store(out + row, ((yn + bonus) * gate).to(out.dtype.element_ty))
 
 
+# more warps per head tile hide more of the state's load latency: tuned per batch size on the GPU
+# (the autotuner needs a GPU driver, so the interpreter on CPU runs the plain kernel)
+_wkv7_decode_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)],
+                                     key=["B", "C"], restore_value=["state", "v_first", "out"])(_wkv7_decode_kernel)
+
+
 def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                 p: dict, layer: int, eps: float, out: torch.Tensor) -> torch.Tensor:
     """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[2]
-    _wkv7_decode_kernel[(B, H)](
+    kernel, extra = (_wkv7_decode_tuned, {}) if state.is_cuda else (_wkv7_decode_kernel, {"num_warps": 4})
+    kernel[(B, H)](
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
-        p["ln_x.bias"], out, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
-        STATE_BF16=state.dtype == torch.bfloat16, num_warps=4)
+        p["ln_x.bias"], out, B, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
+        STATE_BF16=state.dtype == torch.bfloat16, **extra)
     return out
 
 

@@ -1,0 +1,198 @@
+"""The API with no worker consuming its queue: timeouts, 503, 429, a schema fuzz; plus pure helpers.
+
+One API process on its own Redis database. A fake heartbeat stands in for a worker where
+the API must believe one is alive; nothing ever takes entries off the stream.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from api.auth import KeyStore, parse_keys_env, parse_keys_file
+from api.errors import param_of
+from api.prompts import render_chat
+from api.schemas import ChatMessage
+from api.settings import Settings
+from tests.queue_helpers import REPO
+from tests.test_api_support import ApiServer, flushed, is_openai_error, sse_data, wait_for
+from worker import contract as c
+
+MAX_QUEUE = 3
+TIMEOUT_S = 1.5
+FAKE = "fake-worker"
+
+
+@pytest.fixture(scope="module")
+def offline(redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"  # a database of its own
+    r = flushed(url)
+    set_fake_heartbeat(r)
+    api = ApiServer(url, "--max-queue", str(MAX_QUEUE), "--request-timeout", str(TIMEOUT_S),
+                    "--max-prompt-tokens", "1000", env={"GAGGLE_KEEPALIVE_S": "0.4", "GAGGLE_RESULT_POLL_S": "0.3"})
+    try:
+        api.wait_healthy()
+        api.r = r
+        yield api
+    finally:
+        api.stop()
+        r.flushdb()
+
+
+@pytest.fixture(scope="module")
+def client(offline):
+    return openai.OpenAI(base_url=offline.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def clear_queue(r) -> None:
+    r.delete(*c.STREAMS)
+
+
+def set_fake_heartbeat(r) -> None:
+    hb = c.Heartbeat(name=FAKE, pid=0, host="test", device="cpu", model="none", num_slots=1, running=0,
+                     free_slots=1, tokens_per_s=0.0, started=time.time())
+    r.set(c.heartbeat_key(FAKE), hb.encode(), px=600_000)
+
+
+# -- no torch, pure helpers ----------------------------------------------------------------------
+
+def test_import_api_main_leaves_torch_out():
+    code = ("import sys, api.main, api.server, worker.cli; api.main.create_app(); "
+            "worker.cli.build_parser().parse_args(['api']); assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_rwkv_chat_format_and_a_custom_template():
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi"),
+                ChatMessage(role="assistant", content="Hello."), ChatMessage(role="user", content="Bye")]
+    assert render_chat(messages, Settings(), True) == (
+        "System: Be brief.\n\nUser: Hi\n\nAssistant: Hello.\n\nUser: Bye\n\nAssistant:")
+    assert render_chat(messages[1:2], Settings(), False) == "User: Hi\n\n"
+    custom = Settings(chat_user_template="<u>{content}</u>", chat_generation_prompt="<a>")
+    assert render_chat(messages[1:2], custom, True) == "<u>Hi</u><a>"
+
+
+def test_api_keys_from_file_and_env():
+    pairs = parse_keys_file("# comment\n\nk1 tenantA\n  k2   tenantB \n") + parse_keys_env("k3:tenantC, k:4:D")
+    assert pairs == [("k1", "tenantA"), ("k2", "tenantB"), ("k3", "tenantC"), ("k:4", "D")]
+    store = KeyStore.of(pairs)
+    assert store.tenant_for("k2") == "tenantB" and store.tenant_for("k") is None and store.tenant_for("") is None
+    with pytest.raises(ValueError):
+        parse_keys_file("only-a-key\n")
+    with pytest.raises(ValueError):
+        parse_keys_env("no-tenant")
+
+
+def test_error_params_name_the_field():
+    assert param_of(("body", "messages", 0, "content")) == "messages[0].content"
+    assert param_of(("body", "prompt", "list[int]", 3)) == "prompt[3]"
+    assert param_of(("body", "chat", "messages")) == "messages"
+    assert param_of(("body",)) is None
+
+
+# -- the server without a worker ---------------------------------------------------------------
+
+def test_request_timeout_cancels_and_answers_504(offline, client):
+    clear_queue(offline.r)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="m", prompt="hello", max_tokens=4)
+    assert e.value.status_code == 504 and e.value.body["type"] == "timeout"
+    with httpx.stream("POST", offline.url + "/v1/chat/completions", timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert ": keep-alive" in lines  # while nothing else comes
+    assert lines[-1] == "data: [DONE]" and orjson.loads(lines[-2][6:])["error"]["type"] == "timeout"
+    queued = [c.QueuedRequest.decode(fields) for _, fields in offline.r.xrange(c.STREAM_INTERACTIVE)]
+    assert len(queued) == 2 and all(offline.r.exists(c.cancel_key(q.id)) for q in queued)  # a worker would skip them
+    assert all(q.deadline <= time.time() + 60 for q in queued)
+
+
+def test_a_missed_final_message_is_found_by_polling(offline, client):
+    """A worker whose PUBLISH was lost (pub/sub reconnect): the API still finds the stored result."""
+    clear_queue(offline.r)
+    answer = {}
+    thread = threading.Thread(target=lambda: answer.update(r=client.completions.create(model="m", prompt="hello")))
+    thread.start()
+    entry = wait_for(lambda: offline.r.xrange(c.STREAM_INTERACTIVE), 10, 0.01, "the queued request")
+    req = c.QueuedRequest.decode(entry[0][1])
+    result = c.Result(id=req.id, status=c.STATUS_COMPLETED, choices=[c.Choice(0, "from the result key", [11, 12],
+                                                                              "length")],
+                      prompt_tokens=1, completion_tokens=2)
+    offline.r.set(c.result_key(req.id), result.encode())  # no PUBLISH
+    thread.join(timeout=30)
+    assert answer["r"].choices[0].text == "from the result key" and answer["r"].usage.completion_tokens == 2
+
+
+def test_no_live_worker_is_503_and_not_ready(offline, client):
+    clear_queue(offline.r)
+    offline.r.delete(c.heartbeat_key(FAKE))
+    try:
+        ready = wait_for(lambda: (r := httpx.get(offline.url + "/ready")).status_code == 503 and r, 10, 0.1,
+                         "ready to say 503")
+        assert is_openai_error(ready.json())
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"]
+        assert httpx.get(offline.url + "/health").status_code == 200  # liveness does not need a worker
+    finally:
+        set_fake_heartbeat(offline.r)
+    wait_for(lambda: httpx.get(offline.url + "/ready").status_code == 200, 10, 0.1, "ready again")
+
+
+def fill_queue(r) -> None:
+    while r.xlen(c.STREAM_INTERACTIVE) < MAX_QUEUE:
+        r.xadd(c.STREAM_INTERACTIVE, {c.ENTRY_FIELD: b"{}"})
+
+
+def test_full_queue_is_429_with_retry_after(offline, client):
+    fill_queue(offline.r)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model="m", prompt="hello", max_tokens=4)
+    assert e.value.response.headers["retry-after"] and e.value.body["type"] == "rate_limit_error"
+    resp = httpx.post(offline.url + "/v1/requests", json={"endpoint": "completions", "prompt": "x"})
+    assert resp.status_code == 429 and is_openai_error(resp.json())
+    bad = httpx.post(offline.url + "/v1/completions", json={"prompt": "x", "top_p": 0})  # validation comes first
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+
+
+def test_fuzzed_requests_never_get_a_5xx_and_4xx_are_openai_errors(offline):
+    """Schemathesis (v4) generates valid and invalid requests for every operation of the OpenAPI schema.
+
+    The queue is full here, so valid generation requests end in 429 (after all validation) and
+    nothing is generated; every other answer comes from validation, auth or lookups.
+    """
+    import hypothesis
+    import schemathesis
+    from hypothesis import strategies as st
+
+    fill_queue(offline.r)
+    schema = schemathesis.openapi.from_url(offline.url + "/openapi.json")
+    strategies = [result.ok().as_strategy(generation_mode=mode)
+                  for result in schema.get_all_operations()
+                  for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)]
+    seen: dict[int, int] = {}
+
+    @hypothesis.settings(max_examples=400, deadline=None, database=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case=st.one_of(strategies))
+    def check(case):
+        response = case.call(base_url=offline.url, timeout=10)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        where = f"{case.method} {case.formatted_path} {case.body!r:.300}"
+        assert response.status_code < 500, f"{where} -> {response.status_code} {response.text[:300]}"
+        if response.status_code >= 400:
+            assert is_openai_error(response.json()), f"{where} -> {response.text[:300]}"
+
+    started = time.monotonic()
+    check()
+    assert time.monotonic() - started < 60
+    assert seen.get(400, 0) > 20 and seen.get(429, 0) > 5 and seen.get(404, 0) > 5, seen
+    assert "Traceback" not in offline.log(1_000_000), offline.log()
