@@ -7,6 +7,7 @@ with the engine run in this process on the same weights.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import uuid
 from dataclasses import dataclass
@@ -340,14 +341,33 @@ def test_a_non_streaming_client_that_goes_away_cancels(stack):
 def test_one_pubsub_connection_serves_all_requests(http, stack):
     """Concurrent streams share the API process's single subscriber connection."""
     wait_idle_worker(stack)
+    readers = []  # a dropped line iterator closes its connection: keep them
     with contextlib.ExitStack() as streams:
         for _ in range(4):
             resp = streams.enter_context(http.stream("POST", "/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 100_000, "ignore_eos": True, "stream": True}))
-            next(line for line in resp.iter_lines() if line.startswith("data: "))
-        subscribers = [int(client["sub"]) for client in stack.r.client_list() if int(client.get("sub", 0)) > 0]
-    assert sorted(subscribers) == [1, 4]  # the worker's abort channel; the API's four output channels
+            readers.append(resp.iter_lines())
+            while not next(readers[-1]).startswith("data: "):
+                pass
+        subscribers = {client["name"] or "worker": int(client["sub"]) for client in stack.r.client_list()
+                       if int(client.get("sub", 0)) > 0}
+    assert subscribers == {"worker": 1, "gaggle-api-pubsub": 4}  # the worker's abort channel; four output channels
     wait_idle_worker(stack)  # and the four disconnects cancelled their requests
+
+
+def test_a_killed_pubsub_connection_is_replaced_and_nothing_is_lost(client, stack):
+    wait_idle_worker(stack)
+    [victim] = [cl["id"] for cl in stack.r.client_list() if cl["name"] == "gaggle-api-pubsub"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=120,
+                              extra_body={"ignore_eos": True})
+        wait_for(lambda: (hb := heartbeat(stack.r, WORKER)) and hb.running == 1, 30, 0.05, "the request running")
+        stack.r.client_kill_filter(_id=victim)
+        assert pending.result(timeout=60).usage.completion_tokens == 120  # its final message may be lost: polled
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True))
+    assert sum(len(ch.choices[0].text) > 0 for ch in chunks) >= 1
+    [replacement] = [cl["id"] for cl in stack.r.client_list() if cl["name"] == "gaggle-api-pubsub"]
+    assert replacement != victim
 
 
 # -- service endpoints -------------------------------------------------------------------------

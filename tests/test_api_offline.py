@@ -22,7 +22,7 @@ from api.prompts import render_chat
 from api.schemas import ChatMessage
 from api.settings import Settings
 from tests.queue_helpers import REPO
-from tests.test_api_support import ApiServer, flushed, is_openai_error, sse_data, wait_for
+from tests.test_api_support import ApiServer, flushed, is_openai_error, wait_for
 from worker import contract as c
 
 MAX_QUEUE = 3

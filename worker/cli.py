@@ -144,6 +144,11 @@ def check_worker(redis_url: str, name: str) -> int:
     return 0 if alive else 1
 
 
+def cmd_api(args: argparse.Namespace) -> int:
+    from api.server import serve  # no torch on this path
+    return serve(args)
+
+
 def add_redis_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="redis://localhost:6379/0")
 
@@ -187,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 0 if this worker's heartbeat is fresh, else 1")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API (imports no torch)")
+    add_redis_arg(p)
+    from api.server import add_api_args
+    add_api_args(p)
+    p.set_defaults(func=cmd_api)
     return parser
 
 

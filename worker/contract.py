@@ -14,6 +14,7 @@ Key space (all under ``gaggle:``):
     cancel:<id>            string  cancel marker with TTL (for requests not yet picked up)
     result:<id>            string  final result with TTL (written once, NX)
     req:<id>               hash    request record: status, tenant, endpoint, created, worker
+                                   (+ model, n, deadline written by the API: see request_record)
     text:<id>:<index>      string  text so far of one choice (async requests only)
     worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model)
 
@@ -163,6 +164,8 @@ def request_id_of(fields: dict) -> str | None:
 #   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "logprobs"}]}
 #   {"v":1, "type":"status", "id":..., "status":"running"}
 #   {"v":1, "type":"final", "id":..., "result": <Result dict>}
+#   {"v":1, "type":"mark", "id":..., "token":...}  API-internal sync point (see mark_message); workers never send it
+# Readers skip message types they do not know.
 
 def delta_message(request_id: str, choices: list[dict]) -> bytes:
     return dumps({"v": SCHEMA_VERSION, "type": "delta", "id": request_id, "choices": choices})
@@ -174,6 +177,18 @@ def status_message(request_id: str, status: str) -> bytes:
 
 def final_message(result: dict) -> bytes:
     return dumps({"v": SCHEMA_VERSION, "type": "final", "id": result["id"], "result": result})
+
+
+def mark_message(request_id: str, token: str) -> bytes:
+    """A marker the API publishes on out_channel(id) in the same MULTI as a snapshot read (text so far, result):
+    messages received before the marker are already in the snapshot, those after it are not."""
+    return dumps({"v": SCHEMA_VERSION, "type": "mark", "id": request_id, "token": token})
+
+
+def request_record(req: QueuedRequest) -> dict:
+    """Fields of request_key(id) the API writes before XADD; workers then set status, worker, started, finished."""
+    return {"status": STATUS_QUEUED, "tenant": req.tenant, "endpoint": req.endpoint, "model": req.model,
+            "n": req.n, "created": req.created, "deadline": req.deadline}
 
 
 @dataclass

@@ -1,0 +1,157 @@
+"""Everything the API does in Redis, by the queue contract (``worker/contract.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from api.pubsub import Multiplexer
+from worker import contract as c
+
+log = logging.getLogger(__name__)
+
+SCAN_COUNT = 1000
+CLIENT_NAME = "gaggle-api"
+PUBSUB_CLIENT_NAME = "gaggle-api-pubsub"  # the one subscriber connection of an API process (CLIENT LIST)
+
+
+@dataclass
+class Snapshot:
+    """A request's stored state, read in one MULTI (with ``mark``: and a marker published on its channel)."""
+    record: dict[str, str]
+    result: c.Result | None
+    texts: list[str]
+    cancel_requested: bool
+    mark: str
+
+
+class Broker:
+    def __init__(self, redis_url: str, worker_cache_s: float = 1.0):
+        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5,
+                                             client_name=CLIENT_NAME)
+        self._pubsub_client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5,
+                                                      client_name=PUBSUB_CLIENT_NAME)
+        self.channels = Multiplexer(self._pubsub_client)
+        self._worker_cache_s = worker_cache_s
+        self._workers: list[c.Heartbeat] = []
+        self._workers_at = -1e9
+        self._workers_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.channels.start()
+
+    async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=5.0)
+        await self.channels.stop()
+        await self._pubsub_client.aclose()
+        await self.redis.aclose()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def enqueue(self, requests: list[c.QueuedRequest]) -> None:
+        """Write each request's record, then add it to its stream (one MULTI)."""
+        pipe = self.redis.pipeline(transaction=True)
+        for req in requests:
+            key = c.request_key(req.id)
+            pipe.hset(key, mapping=c.request_record(req))
+            pipe.expire(key, c.REQUEST_RECORD_TTL_S)
+            pipe.xadd(req.stream_key, req.encode())
+        await pipe.execute()
+
+    async def cancel(self, request_ids: list[str]) -> None:
+        """Cancel marker (for requests not picked up yet) + abort message (for running ones)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.set(c.cancel_key(rid), 1, ex=c.CANCEL_TTL_S)
+            pipe.publish(c.CHANNEL_ABORTS, rid)
+        await pipe.execute()
+
+    def cancel_soon(self, request_ids: list[str], reason: str) -> None:
+        """Cancel from code that may itself be cancelled (a disconnect): runs as its own task."""
+        async def run() -> None:
+            try:
+                await self.cancel(request_ids)
+                for rid in request_ids:
+                    log.info("request cancelled", extra={"request_id": rid, "reason": reason})
+            except RedisError:
+                log.exception("could not cancel", extra={"request_ids": request_ids, "reason": reason})
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def results(self, request_ids: list[str]) -> dict[str, c.Result]:
+        values = await self.redis.mget([c.result_key(rid) for rid in request_ids])
+        out = {}
+        for rid, data in zip(request_ids, values):
+            if data:
+                try:
+                    out[rid] = c.Result.decode(data)
+                except (c.SchemaError, TypeError) as e:
+                    log.error("undecodable result", extra={"request_id": rid, "error": str(e)})
+        return out
+
+    async def record(self, request_id: str) -> dict[str, str]:
+        raw = await self.redis.hgetall(c.request_key(request_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    async def snapshot(self, request_id: str, n: int, mark: bool = False) -> Snapshot:
+        """Record, result, cancel marker and text so far; with ``mark``, also a marker on the channel."""
+        token = uuid.uuid4().hex if mark else ""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(c.request_key(request_id))
+        pipe.get(c.result_key(request_id))
+        pipe.exists(c.cancel_key(request_id))
+        for i in range(n):
+            pipe.get(c.text_key(request_id, i))
+        if mark:
+            pipe.publish(c.out_channel(request_id), c.mark_message(request_id, token))
+        raw_record, raw_result, cancelled, *texts = (await pipe.execute())[:3 + n]
+        record = {k.decode(): v.decode() for k, v in raw_record.items()}
+        result = c.Result.decode(raw_result) if raw_result else None
+        return Snapshot(record, result, [(t or b"").decode("utf-8", "replace") for t in texts], bool(cancelled),
+                        token)
+
+    # -- cluster state ---------------------------------------------------------------------
+
+    async def live_workers(self) -> list[c.Heartbeat]:
+        """Fresh heartbeats (cached for worker_cache_s)."""
+        async with self._workers_lock:
+            now = time.monotonic()
+            if now - self._workers_at >= self._worker_cache_s:
+                self._workers = await self._read_heartbeats()
+                self._workers_at = now
+            return self._workers
+
+    async def _read_heartbeats(self) -> list[c.Heartbeat]:
+        keys = [key async for key in self.redis.scan_iter(match=c.HEARTBEAT_PATTERN, count=SCAN_COUNT)]
+        if not keys:
+            return []
+        beats = []
+        for data in await self.redis.mget(keys):
+            if data:  # expired between SCAN and MGET
+                try:
+                    beats.append(c.Heartbeat.decode(data))
+                except (c.SchemaError, TypeError) as e:
+                    log.warning("undecodable heartbeat", extra={"error": str(e)})
+        return beats
+
+    async def queue_depth(self) -> dict[str, int]:
+        """XLEN per request stream: workers XDEL after XACK, so this is queued + in flight."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in c.STREAMS:
+            pipe.xlen(stream)
+        return dict(zip(c.STREAMS, await pipe.execute()))
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except (RedisError, OSError):
+            return False

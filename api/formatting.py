@@ -1,0 +1,143 @@
+"""OpenAI response objects from worker results and deltas.
+
+Completions: ``text_completion`` (also for stream chunks); chat: ``chat.completion`` and
+``chat.completion.chunk``. Choice ``p * n + j`` is choice ``j`` of prompt ``p``, as OpenAI numbers them.
+Worker logprobs arrive as ``[{"token_id", "logprob", "top": [[id, lp], ...]}]`` per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.tokenizer import WorldTokenizer
+from worker import contract as c
+
+FINISH_ABORT = "abort"  # vLLM's reason for a sequence that was cancelled
+
+
+@dataclass
+class Shape:
+    """What formatting needs; all of it is recoverable from stored records for async requests."""
+    id: str
+    endpoint: str  # completions | chat
+    created: int
+    model: str
+    n: int = 1
+    echo_texts: list[str] | None = None  # per prompt, when echo was asked
+    include_usage: bool = False
+
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.endpoint == "completions" else "chat.completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self.endpoint == "completions" else "chat.completion.chunk"
+
+
+class Formatter:
+    def __init__(self, shape: Shape, tokenizer: WorldTokenizer):
+        self.shape = shape
+        self.tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}  # completions text_offset per choice, across chunks
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def token_bytes(self, token_id: int) -> bytes:
+        table = self.tokenizer.id_to_token_bytes
+        return table[token_id] if 0 <= token_id < len(table) else b""
+
+    def token_str(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def logprobs(self, index: int, entries: list[dict] | None) -> dict | None:
+        if entries is None:
+            return None
+        if self.shape.endpoint == "chat":
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        return self._completion_logprobs(index, entries)
+
+    def _chat_logprob(self, e: dict) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            data = self.token_bytes(token_id)
+            return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
+        return {**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e.get("top") or []]}
+
+    def _completion_logprobs(self, index: int, entries: list[dict]) -> dict:
+        offset = self._offsets.get(index, self._echo_len(index))
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            token = self.token_str(e["token_id"])
+            top = {self.token_str(t): lp for t, lp in e.get("top") or []}
+            top.setdefault(token, e["logprob"])  # OpenAI: up to logprobs + 1 entries, the sampled one included
+            tokens.append(token)
+            offsets.append(offset)
+            tops.append(top)
+            offset += len(token)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _echo_len(self, index: int) -> int:
+        echo = self.shape.echo_texts
+        return len(echo[index // self.shape.n]) if echo else 0
+
+    # -- whole responses -----------------------------------------------------------------------
+
+    def response(self, results: list[c.Result], prompt_tokens: int) -> dict:
+        """The non-streaming object; ``results`` in prompt order."""
+        choices = []
+        for p, result in enumerate(results):
+            for ch in result.choices:
+                index = p * self.shape.n + ch.index
+                text = ch.text
+                if self.shape.echo_texts and self.shape.endpoint == "completions":
+                    text = self.shape.echo_texts[p] + text
+                choices.append(self._final_choice(index, text, ch))
+        return {"id": self.shape.id, "object": self.shape.object, "created": self.shape.created,
+                "model": self.shape.model, "system_fingerprint": None,
+                "choices": sorted(choices, key=lambda x: x["index"]), "usage": usage(results, prompt_tokens)}
+
+    def _final_choice(self, index: int, text: str, ch: c.Choice) -> dict:
+        out: dict = {"index": index}
+        if self.shape.endpoint == "chat":
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        out["logprobs"] = self.logprobs(index, ch.logprobs)
+        out["finish_reason"] = ch.finish_reason or FINISH_ABORT
+        out["stop_reason"] = ch.stop_reason
+        return out
+
+    # -- stream chunks -----------------------------------------------------------------------
+
+    def chunk(self, index: int, text: str, *, logprobs: list[dict] | None = None, finish_reason: str | None = None,
+              role: bool = False) -> dict:
+        choice: dict = {"index": index}
+        if self.shape.endpoint == "chat":
+            delta: dict = {"role": "assistant"} if role else {}
+            if text or role:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(index, logprobs)
+        choice["finish_reason"] = finish_reason
+        return self._chunk([choice])
+
+    def usage_chunk(self, results: list[c.Result], prompt_tokens: int) -> dict:
+        out = self._chunk([])
+        out["usage"] = usage(results, prompt_tokens)
+        return out
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {"id": self.shape.id, "object": self.shape.chunk_object, "created": self.shape.created,
+               "model": self.shape.model, "system_fingerprint": None, "choices": choices}
+        if self.shape.include_usage:
+            out["usage"] = None
+        return out
+
+
+def usage(results: list[c.Result], prompt_tokens: int) -> dict:
+    completion = sum(len(ch.token_ids) for r in results for ch in r.choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

@@ -1,0 +1,183 @@
+"""Admission, submission and waiting: the path of a sync completion through Redis.
+
+    admit (queue depth, live workers) → subscribe + wait for the confirmation → record + XADD
+    → stream deltas as SSE, or wait for the final result (and the client's disconnect)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from redis.exceptions import RedisError
+from starlette.responses import Response
+
+from api.broker import Broker
+from api.errors import OpenAIError
+from api.formatting import Formatter
+from api.jobs import Job
+from api.metrics import Metrics
+from api.pubsub import SubscribeTimeout
+from api.pump import KEEPALIVE, pump
+from api.responses import JSONBytesResponse
+from api.settings import Settings
+from api.streaming import EventStream, StreamSession
+from engine.tokenizer import WorldTokenizer
+from worker import contract as c
+
+log = logging.getLogger(__name__)
+
+STATUS_CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody reads it
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class GenerationService:
+    def __init__(self, broker: Broker, tokenizer: WorldTokenizer, settings: Settings, metrics: Metrics):
+        self.broker = broker
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.metrics = metrics
+
+    # -- admission and submission ------------------------------------------------------------
+
+    async def admit(self, job: Job, require_worker: bool = True) -> None:
+        """429 when the queue is over max_queue; 503 when no worker is alive."""
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        try:
+            depth = sum((await self.broker.queue_depth()).values())
+            workers = await self.broker.live_workers() if require_worker else []
+        except (RedisError, OSError) as e:
+            log.error("redis unavailable at admission", extra={"request_id": job.id, "error": str(e)})
+            raise OpenAIError(503, "the request queue is unavailable; try again later", code="queue_unavailable",
+                              headers=retry) from None
+        if depth + len(job.requests) > self.settings.max_queue:
+            log.info("request rejected: queue full", extra={"request_id": job.id, "queue_depth": depth})
+            raise OpenAIError(429, f"the queue is full ({depth} requests waiting or running, limit "
+                                   f"{self.settings.max_queue}); retry later", code="queue_full", headers=retry)
+        if require_worker and not any(not w.draining for w in workers):
+            log.info("request rejected: no live worker", extra={"request_id": job.id})
+            raise OpenAIError(503, "no generation worker is alive; try again later", code="no_workers",
+                              headers=retry)
+
+    async def submit(self, job: Job, inbox: asyncio.Queue) -> None:
+        """Subscribe (confirmed) to every output channel, then write the records and XADD."""
+        channels = [c.out_channel(rid) for rid in job.request_ids]
+        try:
+            await self.broker.channels.subscribe(channels, inbox)
+        except SubscribeTimeout as e:
+            log.error("subscribe failed", extra={"request_id": job.id, "error": str(e)})
+            raise OpenAIError(503, "the result channel is unavailable; try again later", code="queue_unavailable",
+                              headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        try:
+            await self.broker.enqueue(job.requests)
+        except (RedisError, OSError) as e:
+            await self.broker.channels.unsubscribe(channels, inbox)
+            log.error("enqueue failed", extra={"request_id": job.id, "error": str(e)})
+            raise OpenAIError(503, "the request queue is unavailable; try again later",
+                              code="queue_unavailable") from None
+        self.metrics.prompt_tokens.labels(job.endpoint).inc(job.prompt_tokens)
+        for req in job.requests:
+            log.info("request queued", extra={"request_id": req.id, "tenant": job.tenant, "endpoint": job.endpoint,
+                                              "prompt_tokens": len(req.prompt_token_ids), "n": req.n,
+                                              "stream": req.stream, "record_text": req.record_text})
+
+    async def cancel(self, request_ids: list[str], reason: str) -> None:
+        """Cancel now (the caller is not itself being cancelled); failures are logged, not raised."""
+        try:
+            await self.broker.cancel(request_ids)
+        except (RedisError, OSError) as e:
+            log.error("could not cancel", extra={"request_ids": request_ids, "reason": reason, "error": str(e)})
+            return
+        for rid in request_ids:
+            log.info("request cancelled", extra={"request_id": rid, "reason": reason})
+
+    async def release(self, job: Job, inbox: asyncio.Queue) -> None:
+        await self.broker.channels.unsubscribe([c.out_channel(rid) for rid in job.request_ids], inbox)
+
+    # -- sync requests -----------------------------------------------------------------------
+
+    async def respond(self, job: Job, request: Request) -> Response:
+        await self.admit(job)
+        inbox: asyncio.Queue = asyncio.Queue()
+        await self.submit(job, inbox)
+        if job.stream:
+            return EventStream(StreamSession(self, job, inbox))
+        try:
+            return await self._complete(job, inbox, request)
+        finally:
+            await self.release(job, inbox)
+
+    async def _complete(self, job: Job, inbox: asyncio.Queue, request: Request) -> Response:
+        pending = set(job.request_ids)
+        try:
+            results = await until_disconnected(request, self.collect(inbox, pending, self.deadline(job)))
+        except ClientDisconnected:
+            self.broker.cancel_soon(sorted(pending), "client disconnected")
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        except TimeoutError:
+            await self.cancel(sorted(pending), "request timeout")
+            raise OpenAIError(504, f"no result within the request timeout ({self.settings.request_timeout_s:g} s); "
+                                   "the request was cancelled", code="timeout") from None
+        except BaseException:  # server shutdown: do not leave work behind for nobody
+            self.broker.cancel_soon(sorted(pending), "server shutting down")
+            raise
+        ordered = [results[rid] for rid in job.request_ids]
+        for result in ordered:
+            log.info("request finished", extra={"request_id": result.id, "status": result.status,
+                                                "completion_tokens": result.completion_tokens})
+            raise_for_status(result)
+            self.metrics.observe_result(job.endpoint, result)
+        return JSONBytesResponse(Formatter(job.shape, self.tokenizer).response(ordered, job.prompt_tokens))
+
+    def deadline(self, job: Job) -> float:
+        return job.started + self.settings.request_timeout_s  # loop.time() is time.monotonic() too
+
+    async def collect(self, inbox: asyncio.Queue, pending: set[str], deadline: float) -> dict[str, c.Result]:
+        results = {}
+        async for msg in self.pump(inbox, pending, deadline):
+            if msg is not KEEPALIVE and msg["type"] == "final":
+                results[msg["id"]] = c.Result.from_dict(msg["result"])
+        return results
+
+    def pump(self, inbox: asyncio.Queue, pending: set[str], deadline: float) -> AsyncIterator:
+        return pump(self.broker, inbox, pending, deadline, keepalive_s=self.settings.keepalive_s,
+                    result_poll_s=self.settings.result_poll_s)
+
+
+def raise_for_status(result: c.Result) -> None:
+    """failed → 500, expired → 504 (cancelled results are answered with what was generated)."""
+    err = result.error or {}
+    if result.status == c.STATUS_FAILED:
+        raise OpenAIError(500, err.get("message", "generation failed"), type="server_error",
+                          code=err.get("code", "failed"))
+    if result.status == c.STATUS_EXPIRED:
+        raise OpenAIError(504, err.get("message", "the request expired"), code="expired")
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body was read already, so only http.disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, work):
+    """Run ``work``; raise ClientDisconnected if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected

@@ -1,0 +1,104 @@
+"""A validated API call ("job"): its queued requests (one per prompt) and the shape of its response."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from api.errors import bad_request
+from api.formatting import Shape
+from api.prompts import Prompt, check_lengths, completion_prompts, encode, render_chat
+from api.sampling import chat_params, completion_params
+from api.schemas import ChatCompletionRequest, CompletionRequest
+from api.settings import Settings
+from engine.tokenizer import WorldTokenizer
+from worker import contract as c
+
+DEADLINE_GRACE_S = 5.0  # sync requests: workers drop them a little after the API stopped waiting
+
+
+@dataclass
+class Job:
+    shape: Shape
+    tenant: str
+    prompts: list[Prompt]
+    requests: list[c.QueuedRequest]
+    stream: bool
+    started: float = field(default_factory=time.monotonic)
+    _index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {r.id: i for i, r in enumerate(self.requests)}
+
+    @property
+    def id(self) -> str:
+        return self.shape.id
+
+    @property
+    def endpoint(self) -> str:
+        return self.shape.endpoint
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.id for r in self.requests]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.prompts)
+
+    def prompt_index(self, request_id: str) -> int:
+        return self._index[request_id]
+
+
+async def completion_job(body: CompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
+                         is_async: bool = False) -> Job:
+    n = _check_n(body.n, settings)
+    prompts = await completion_prompts(body.prompt, tokenizer)
+    if is_async and len(prompts) > 1:
+        raise bad_request("an async request takes one prompt; submit one request per prompt", "prompt")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+    params = completion_params(body)
+    check_lengths(prompts, params["max_tokens"], settings)
+    shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
+                  model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
+                  include_usage=_include_usage(body))
+    return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
+
+
+async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
+                   is_async: bool = False) -> Job:
+    n = _check_n(body.n, settings)
+    add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
+    text = render_chat(body.messages, settings, add_generation_prompt)
+    prompts = [Prompt(await encode(tokenizer, text), text)]
+    params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop)
+    check_lengths(prompts, params["max_tokens"], settings)
+    shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
+                  model=settings.model_name, n=n, include_usage=_include_usage(body))
+    return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
+
+
+def _check_n(n: int | None, settings: Settings) -> int:
+    n = n or 1
+    if n > settings.max_n:
+        raise bad_request(f"n must be between 1 and {settings.max_n}, got {n}", "n")
+    return n
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _job(shape: Shape, tenant: str, prompts: list[Prompt], params: dict, stream: bool, is_async: bool,
+         settings: Settings) -> Job:
+    created = time.time()
+    ids = [shape.id] if len(prompts) == 1 else [f"{shape.id}-{i}" for i in range(len(prompts))]
+    deadline = 0.0 if is_async else created + settings.request_timeout_s + DEADLINE_GRACE_S
+    requests = [
+        c.QueuedRequest(id=rid, prompt_token_ids=p.token_ids, params=dict(params), n=shape.n,
+                        endpoint=shape.endpoint, model=shape.model, tenant=tenant,
+                        stream=stream or is_async, record_text=is_async, created=created, deadline=deadline,
+                        meta={"echo": p.text} if shape.echo_texts else {})
+        for rid, p in zip(ids, prompts)]
+    return Job(shape, tenant, prompts, requests, stream=stream and not is_async)

@@ -1,0 +1,58 @@
+"""The FastAPI app: wiring only. ``create_app(settings)``; uvicorn runs it as a factory (``gaggle api``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.async_requests import AsyncRequests
+from api.auth import KeyStore
+from api.broker import Broker
+from api.errors import install_error_handlers
+from api.generation import GenerationService
+from api.metrics import Metrics, MetricsMiddleware
+from api.routers import chat, completions, health, metrics, models, requests
+from api.settings import Settings
+from engine.tokenizer import WorldTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    settings: Settings = app.state.settings
+    app.state.keys = KeyStore.load(settings)
+    tokenizer = await asyncio.to_thread(WorldTokenizer.default)  # ~3 s: compiles the vocabulary regex
+    broker = Broker(settings.redis_url, settings.worker_cache_s)
+    await broker.start()
+    generation = GenerationService(broker, tokenizer, settings, app.state.metrics)
+    app.state.broker, app.state.tokenizer, app.state.generation = broker, tokenizer, generation
+    app.state.async_requests = AsyncRequests(generation)
+    log.info("api started", extra={"model": settings.model_name, "auth": app.state.keys.enabled,
+                                   "max_queue": settings.max_queue})
+    try:
+        yield
+    finally:
+        await broker.stop()
+        log.info("api stopped")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    if settings.log_level:
+        from worker.logs import setup_logging
+        setup_logging(settings.log_level, settings.log_format)
+    app = FastAPI(title="Gaggle", version="0.1.0", lifespan=lifespan, strict_content_type=False,
+                  description="OpenAI-compatible generation for RWKV-7 models, queued through Redis")
+    app.state.settings = settings
+    app.state.started = int(time.time())
+    app.state.metrics = Metrics()
+    install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    for module in (completions, chat, models, requests, health, metrics):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,64 @@
+"""The message pump: what a reader of one or more output channels sees, with fallbacks.
+
+Yields each message of a ``pending`` request until every one has its final; KEEPALIVE when
+nothing was yielded for ``keepalive_s``; a final read from the result keys when the channel
+has been quiet for ``result_poll_s`` (the message was missed: pub/sub reconnect). Raises
+TimeoutError at ``deadline`` (loop time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from redis.exceptions import RedisError
+
+from api.broker import Broker
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE = object()
+
+
+async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline: float, *,
+               keepalive_s: float, result_poll_s: float) -> AsyncIterator:
+    loop = asyncio.get_running_loop()
+    next_poll = loop.time() + result_poll_s
+    last_sent = loop.time()
+    while pending:
+        now = loop.time()
+        if now >= deadline:
+            raise TimeoutError
+        wait = min(deadline, next_poll, last_sent + keepalive_s) - now
+        try:
+            msg = await asyncio.wait_for(inbox.get(), max(wait, 0.0))
+        except asyncio.TimeoutError:
+            now = loop.time()
+            if now >= next_poll:
+                next_poll = now + result_poll_s
+                for msg in await _poll_results(broker, pending):
+                    pending.discard(msg["id"])
+                    last_sent = now
+                    yield msg
+            if pending and now - last_sent >= keepalive_s:
+                last_sent = now
+                yield KEEPALIVE
+            continue
+        if msg.get("id") not in pending:
+            continue  # after a polled final
+        if msg["type"] == "final":
+            pending.discard(msg["id"])
+        last_sent = loop.time()
+        yield msg
+
+
+async def _poll_results(broker: Broker, pending: set[str]) -> list[dict]:
+    try:
+        found = await broker.results(sorted(pending))
+    except (RedisError, OSError) as e:
+        log.warning("result poll failed", extra={"error": str(e)})
+        return []
+    for rid in found:
+        log.info("final result found by polling", extra={"request_id": rid})
+    return [{"type": "final", "id": rid, "result": r.to_dict()} for rid, r in found.items()]

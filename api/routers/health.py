@@ -1,0 +1,32 @@
+"""GET /health (liveness, no Redis) and GET /ready (Redis reachable and a live worker)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from redis.exceptions import RedisError
+
+from api.broker import Broker
+from api.errors import OpenAIError
+from api.routers.common import errors
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/ready", responses=errors(503))
+async def ready(request: Request) -> dict:
+    broker: Broker = request.app.state.broker
+    if not await broker.ping():
+        raise OpenAIError(503, "not ready: redis is unreachable", code="redis_unreachable")
+    try:
+        workers = await broker.live_workers()
+    except (RedisError, OSError):
+        raise OpenAIError(503, "not ready: redis is unreachable", code="redis_unreachable") from None
+    live = [w for w in workers if not w.draining]
+    if not live:
+        raise OpenAIError(503, "not ready: no live worker heartbeat", code="no_workers")
+    return {"status": "ready", "workers": len(live)}

@@ -1,0 +1,49 @@
+"""``gaggle api``: settings from flags (passed to every uvicorn process as GAGGLE_* variables), then uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+FLAG_SETTINGS = {  # argparse dest -> Settings field
+    "redis_url": "redis_url", "api_keys_file": "api_keys_file", "max_queue": "max_queue",
+    "max_prompt_tokens": "max_prompt_tokens", "model_name": "model_name", "max_model_len": "max_model_len",
+    "request_timeout": "request_timeout_s", "max_n": "max_n",
+}
+
+
+def add_api_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1, help="API processes (uvicorn workers)")
+    p.add_argument("--api-keys-file", help="lines 'key tenant' (also: GAGGLE_API_KEYS=key:tenant,...)")
+    p.add_argument("--max-queue", type=int, help="429 above this many queued + running requests")
+    p.add_argument("--max-prompt-tokens", type=int)
+    p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit")
+    p.add_argument("--max-n", type=int)
+    p.add_argument("--model-name", help="the model id clients see")
+    p.add_argument("--request-timeout", type=float, help="seconds a sync request may take (then 504)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    for dest, name in FLAG_SETTINGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            os.environ[f"GAGGLE_{name.upper()}"] = str(value)
+    os.environ["GAGGLE_LOG_LEVEL"] = args.log_level
+    os.environ["GAGGLE_LOG_FORMAT"] = args.log_format
+    if args.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="gaggle-prometheus-")
+    try:
+        from api.settings import Settings
+        Settings()  # fail here, once, on a bad setting
+    except ValueError as e:
+        print(f"gaggle: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
+                log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    return 0

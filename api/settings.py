@@ -1,0 +1,39 @@
+"""API settings: one BaseSettings class (environment variables ``GAGGLE_*``), injected with ``Depends``."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GAGGLE_", extra="ignore")
+
+    redis_url: str = "redis://localhost:6379/0"
+    model_name: str = "rwkv-7"
+    max_model_len: int = Field(1 << 20, ge=2)  # prompt + max_tokens, as the workers' engines enforce
+    max_prompt_tokens: int = Field(32768, ge=1)
+    max_queue: int = Field(10_000, ge=0)  # XLEN of both request streams (queued + in flight)
+    max_n: int = Field(16, ge=1)
+    default_chat_max_tokens: int = Field(1024, ge=1)  # chat without max_tokens / max_completion_tokens
+    request_timeout_s: float = Field(600.0, gt=0)  # sync requests: then cancelled and answered 504
+    keepalive_s: float = Field(15.0, gt=0)  # SSE comment line while nothing else is sent
+    result_poll_s: float = Field(3.0, gt=0)  # fallback poll of result keys against a missed final message
+    worker_cache_s: float = Field(1.0, ge=0)  # how long "is a worker alive" answers are reused
+    retry_after_s: int = Field(2, ge=1)  # Retry-After on 429 / 503
+    api_keys_file: str | None = None  # lines "key tenant"
+    api_keys: str = ""  # GAGGLE_API_KEYS="key1:tenantA,key2:tenantB"
+    # RWKV chat format; "{content}" is replaced by the message text
+    chat_system_template: str = "System: {content}\n\n"
+    chat_user_template: str = "User: {content}\n\n"
+    chat_assistant_template: str = "Assistant: {content}\n\n"
+    chat_generation_prompt: str = "Assistant:"
+    chat_default_stop: list[str] = ["\n\nUser:"]
+    log_level: str | None = None  # set: configure logging in each API process (uvicorn --workers spawns)
+    log_format: str = "json"
+
+
+def get_settings(request: Request) -> Settings:
+    """The app's settings (a dependency; tests override it or pass their own to create_app)."""
+    return request.app.state.settings

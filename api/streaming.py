@@ -1,0 +1,175 @@
+"""SSE for sync streaming requests: worker deltas → OpenAI chunks; a client that leaves aborts its request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from api.errors import error_body
+from api.formatting import FINISH_ABORT, Formatter
+from api.pump import KEEPALIVE
+from api.jobs import Job
+from api.responses import SSE_DONE, SSE_KEEPALIVE, sse_event
+from worker import contract as c
+
+if TYPE_CHECKING:
+    from api.generation import GenerationService
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """An SSE response whose session is closed however the response ends (done, disconnect, shutdown)."""
+
+    def __init__(self, session):
+        super().__init__(session.events(), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.session = session
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.session.close()
+
+
+class StreamSession:
+    """One streaming request: its inbox of worker messages, what was sent, and how it ends."""
+
+    def __init__(self, service: "GenerationService", job: Job, inbox: asyncio.Queue):
+        self.service = service
+        self.job = job
+        self.inbox = inbox
+        self.pending = set(job.request_ids)  # no final yet: cancelled if the stream ends early
+        self.results: dict[str, c.Result] = {}
+        self.formatter = Formatter(job.shape, service.tokenizer)
+        self.sent: dict[int, str] = {}  # text sent per choice index
+        self.finished: set[int] = set()  # choice indices whose finish_reason was sent
+        self._last_delta: dict[str, float] = {}
+        self._first_token_seen = False
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        for frame in self._echo():
+            yield frame
+        try:
+            async for msg in self.service.pump(self.inbox, self.pending, self.service.deadline(self.job)):
+                if msg is KEEPALIVE:
+                    yield SSE_KEEPALIVE
+                elif msg["type"] == "delta":
+                    for frame in self._on_delta(msg, loop.time()):
+                        yield frame
+                elif msg["type"] == "final":
+                    error = self._on_final(msg)
+                    for frame in self._finish_choices(self.results[msg["id"]], msg["id"]):
+                        yield frame
+                    if error is not None:
+                        yield sse_event(error)
+                        yield SSE_DONE
+                        return
+        except TimeoutError:
+            await self.service.cancel(sorted(self.pending), "request timeout")
+            self.pending.clear()
+            yield sse_event(error_body(f"no result within the request timeout "
+                                       f"({self.service.settings.request_timeout_s:g} s); the request was cancelled",
+                                       "timeout", code="timeout"))
+            yield SSE_DONE
+            return
+        if self.job.shape.include_usage:
+            ordered = [self.results[rid] for rid in self.job.request_ids]
+            yield sse_event(self.formatter.usage_chunk(ordered, self.job.prompt_tokens))
+        yield SSE_DONE
+
+    async def close(self) -> None:
+        """Unsubscribe; a request without its final (the client left, timeout, error) is cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.pending:
+            self.service.broker.cancel_soon(sorted(self.pending), "stream ended before the result")
+        await self.service.release(self.job, self.inbox)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _echo(self) -> list[bytes]:
+        echo = self.job.shape.echo_texts
+        if not echo:
+            return []
+        n = self.job.shape.n
+        frames = []
+        for p, text in enumerate(echo):
+            for j in range(n):
+                self.sent[p * n + j] = ""
+                frames.append(sse_event(self.formatter.chunk(p * n + j, text)))
+        return frames
+
+    def _on_delta(self, msg: dict, now: float) -> list[bytes]:
+        rid = msg["id"]
+        base = self.job.prompt_index(rid) * self.job.shape.n
+        self._observe_timing(rid, now)
+        frames = []
+        for ch in msg.get("choices", []):
+            index = base + ch["index"]
+            text, logprobs, finish = ch.get("text", ""), ch.get("logprobs"), ch.get("finish_reason")
+            if index in self.finished or not (text or logprobs or finish):
+                continue
+            first = index not in self.sent
+            self.sent[index] = self.sent.get(index, "") + text
+            if finish:
+                self.finished.add(index)
+            frames.append(sse_event(self.formatter.chunk(index, text, logprobs=logprobs, finish_reason=finish,
+                                                         role=first and self.job.endpoint == "chat")))
+        return frames
+
+    def _observe_timing(self, rid: str, now: float) -> None:
+        metrics = self.service.metrics
+        if not self._first_token_seen:
+            self._first_token_seen = True
+            metrics.ttft.labels(self.job.endpoint).observe(now - self.job.started)
+            log.info("first token", extra={"request_id": self.job.id})
+        last = self._last_delta.get(rid)
+        if last is not None:
+            metrics.itl.labels(self.job.endpoint).observe(now - last)
+        self._last_delta[rid] = now
+
+    def _on_final(self, msg: dict) -> dict | None:
+        """Keep the result; the error object to send if it failed or expired."""
+        result = c.Result.from_dict(msg["result"])
+        self.results[msg["id"]] = result
+        metrics = self.service.metrics
+        metrics.generation_tokens.labels(self.job.endpoint).inc(result.completion_tokens)
+        metrics.e2e.labels(self.job.endpoint).observe(asyncio.get_running_loop().time() - self.job.started)
+        log.info("request finished", extra={"request_id": result.id, "status": result.status,
+                                            "completion_tokens": result.completion_tokens})
+        if result.status in (c.STATUS_FAILED, c.STATUS_EXPIRED):
+            err = result.error or {}
+            kind = "server_error" if result.status == c.STATUS_FAILED else "timeout"
+            return error_body(err.get("message", f"the request {result.status}"), kind, code=err.get("code"))
+        return None
+
+    def _finish_choices(self, result: c.Result, rid: str) -> list[bytes]:
+        """Close every choice the deltas did not finish (missed messages, cancel): the rest of its text."""
+        base = self.job.prompt_index(rid) * self.job.shape.n
+        frames = []
+        for ch in result.choices:
+            index = base + ch.index
+            if index in self.finished:
+                continue
+            first = index not in self.sent
+            sent = self.sent.get(index, "")
+            rest = ch.text[len(sent):] if ch.text.startswith(sent) else ""
+            self.finished.add(index)
+            self.sent[index] = sent + rest
+            frames.append(sse_event(self.formatter.chunk(index, rest, finish_reason=ch.finish_reason or FINISH_ABORT,
+                                                         role=first and self.job.endpoint == "chat")))
+        return frames
