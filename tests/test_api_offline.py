@@ -6,6 +6,7 @@ the API must believe one is alive; nothing ever takes entries off the stream.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from tests.test_api_support import ApiServer, flushed, is_openai_error, wait_for
 from worker import contract as c
 
 MAX_QUEUE = 3
-TIMEOUT_S = 1.5
+TIMEOUT_S = 4.0  # long enough for the polling test on a loaded machine
 FAKE = "fake-worker"
 
 
@@ -96,6 +97,41 @@ def test_error_params_name_the_field():
     assert param_of(("body", "prompt", "list[int]", 3)) == "prompt[3]"
     assert param_of(("body", "chat", "messages")) == "messages"
     assert param_of(("body",)) is None
+
+
+def test_one_connection_multiplexes_shared_channels_and_drops_stale_ones(redis_server):
+    import redis.asyncio as aioredis
+
+    from api.pubsub import Multiplexer
+    url = redis_server.url.rsplit("/", 1)[0] + "/2"
+    message = c.status_message("x", "running")
+
+    async def scenario():
+        publisher = aioredis.Redis.from_url(url)
+        mux = Multiplexer(aioredis.Redis.from_url(url))
+        await mux.start()
+        a, b = asyncio.Queue(), asyncio.Queue()
+        await mux.subscribe(["ch1"], a)
+        await mux.subscribe(["ch1", "ch2"], b)  # confirmed on return: a publish now reaches both
+        assert await publisher.publish("ch1", message) == 1  # one subscriber connection for both readers
+        assert (await asyncio.wait_for(a.get(), 5))["status"] == (await asyncio.wait_for(b.get(), 5))["status"]
+        await mux.unsubscribe(["ch1"], a)
+        await publisher.publish("ch1", message)
+        await asyncio.wait_for(b.get(), 5)
+        assert a.empty()
+        await mux.unsubscribe(["ch1", "ch2"], b)
+        assert await publisher.pubsub_numsub("ch1", "ch2") == [(b"ch1", 0), (b"ch2", 0)]
+        await mux._pubsub.subscribe("ghost")  # e.g. re-subscribed by a reconnect, nobody reads it
+        await publisher.publish("ghost", message)
+        for _ in range(100):
+            if (await publisher.pubsub_numsub("ghost"))[0][1] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await publisher.pubsub_numsub("ghost"))[0][1] == 0
+        await mux.stop()
+        await publisher.aclose()
+
+    asyncio.run(scenario())
 
 
 # -- the server without a worker ---------------------------------------------------------------

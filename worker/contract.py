@@ -175,8 +175,9 @@ def status_message(request_id: str, status: str) -> bytes:
     return dumps({"v": SCHEMA_VERSION, "type": "status", "id": request_id, "status": status})
 
 
-def final_message(result: dict) -> bytes:
-    return dumps({"v": SCHEMA_VERSION, "type": "final", "id": result["id"], "result": result})
+def final_message(request_id: str, encoded_result: bytes) -> bytes:
+    """The final message embeds the already-encoded result (encoded once)."""
+    return b'{"v":%d,"type":"final","id":%s,"result":%s}' % (SCHEMA_VERSION, dumps(request_id), encoded_result)
 
 
 def mark_message(request_id: str, token: str) -> bytes:
@@ -204,8 +205,9 @@ class Choice:
 @dataclass
 class Result:
     """The final result of a request, stored under result_key(id)."""
-    id: str
-    status: str
+    v: int = SCHEMA_VERSION
+    id: str = ""
+    status: str = STATUS_COMPLETED
     endpoint: str = "completions"
     model: str = ""
     tenant: str = "default"
@@ -220,10 +222,10 @@ class Result:
     timings: dict = field(default_factory=dict)  # queued_s, ttft_s, e2e_s
 
     def to_dict(self) -> dict:
-        return {"v": SCHEMA_VERSION, **asdict(self)}
+        return asdict(self)
 
     def encode(self) -> bytes:
-        return dumps(self.to_dict())
+        return dumps(self)  # orjson serialises dataclasses natively (fast)
 
     @classmethod
     def from_dict(cls, obj: dict) -> "Result":

@@ -57,7 +57,9 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-                "--protected-mode", "yes", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
+                "--protected-mode", "yes",
+                # a busy API subscriber may lag a burst of deltas: don't drop it at the 8 MB default
+                "--client-output-buffer-limit", "pubsub", "512mb", "128mb", "60", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready(timeout_s)
         return self

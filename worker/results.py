@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from worker.contract import STATUS_COMPLETED, Choice, QueuedRequest, Result
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: compared and hashed per object
 class InFlight:
     """A request this worker owns: where its stream entry is, and what it produced so far."""
     request: QueuedRequest
@@ -36,26 +36,23 @@ class InFlight:
         return all(c.finish_reason is not None for c in self.choices)
 
     def add(self, out) -> dict | None:
-        """Fold one engine SequenceOutput in; returns the delta to publish (or None)."""
+        """Fold one engine SequenceOutput in; returns the delta to publish (or None). Hot path: keep it lean."""
         choice = self.choices[out.index]
         if self.first_token is None:
             self.first_token = time.time()
         position = len(choice.token_ids)
-        choice.token_ids.extend(out.token_ids)
+        choice.token_ids += out.token_ids
         self.text_parts[out.index].append(out.text)
-        logprobs = None
+        delta = {"index": out.index, "text": out.text, "token_ids": out.token_ids}
         if self.wants_logprobs and out.logprobs:
             logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs]
             choice.logprobs = (choice.logprobs or []) + logprobs
-        if out.finished:
-            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-        if position < self.suppress_tokens and not out.finished:
-            return None  # already published before the retry
-        delta = {"index": out.index, "text": out.text, "token_ids": out.token_ids}
-        if logprobs is not None:
             delta["logprobs"] = logprobs
         if out.finished:
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             delta["finish_reason"], delta["stop_reason"] = out.finish_reason, out.stop_reason
+        elif position < self.suppress_tokens:
+            return None  # already published before the retry
         return delta
 
     def result(self, worker: str) -> Result:

@@ -59,6 +59,11 @@ class Worker:
         self._tokens_per_s = 0.0
         self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
         self._under_test: str | None = None
+        self.metrics = None  # worker.metrics.WorkerMetrics when --metrics-port is given
+
+    def attach_metrics(self, metrics) -> None:
+        self.metrics = metrics
+        self.io.on_write = metrics.on_write
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -232,48 +237,40 @@ class Worker:
             self._on_step_failure(e)
             return
         self._under_test = None
-        by_request: dict[str, list[dict]] = {}
-        ops: list[Op] = []
-        finished: list[InFlight] = []
+        deltas: dict[str, list[dict]] = {}
+        finished: dict[str, InFlight] = {}
+        inflight = self.inflight
         for out in outputs:
-            flight = self.inflight.get(out.request_id)
+            flight = inflight.get(out.request_id)
             if flight is None:
                 continue
             delta = flight.add(out)
             if delta is not None and (flight.request.stream or flight.request.record_text):
-                by_request.setdefault(out.request_id, []).append(delta)
-            if out.finished and flight.is_done and flight not in finished:
-                finished.append(flight)
-        for rid, choices in by_request.items():
-            ops += self._delta_ops(self.inflight[rid], choices)
-        for flight in finished:
+                deltas.setdefault(out.request_id, []).append(delta)
+            if out.finished and flight.is_done:
+                finished[flight.id] = flight
+        ops: list[Op] = [("deltas", [(inflight[rid].request, choices) for rid, choices in deltas.items()])] if deltas else []
+        for flight in finished.values():
             self.inflight.pop(flight.id, None)
             ops += self._final_ops(flight.stream, flight.entry_id, flight.result(self.cfg.name))
         self.io.submit(ops)
         dt = time.perf_counter() - t0
         if outputs and dt > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)
-
-    def _delta_ops(self, flight: InFlight, choices: list[dict]) -> list[Op]:
-        rid = flight.id
-        ops: list[Op] = []
-        if flight.request.stream:
-            ops.append(("publish", c.out_channel(rid), c.delta_message(rid, choices)))
-        if flight.request.record_text:
-            for ch in choices:
-                if ch["text"]:
-                    ops.append(("append", c.text_key(rid, ch["index"]), ch["text"]))
-        return ops
+        if self.metrics is not None:
+            self.metrics.on_step(dt, len(outputs), self.engine.num_running, self.engine.num_free_slots)
 
     def _final_ops(self, stream: str, entry_id: bytes, result: c.Result) -> list[Op]:
         data = result.encode()
+        if self.metrics is not None:
+            self.metrics.on_request_end(result.status)
         key = c.request_key(result.id)
         log.info("request finished", extra={"request_id": result.id, "status": result.status,
                                             "completion_tokens": result.completion_tokens, "worker": self.cfg.name})
         return [("set", c.result_key(result.id), data, self.cfg.result_ttl_s, None, True),
                 ("hset", key, None, None, {"status": result.status, "finished": result.finished}),
                 ("expire", key, c.REQUEST_RECORD_TTL_S),
-                ("publish", c.out_channel(result.id), c.final_message(result.to_dict())),
+                ("publish", c.out_channel(result.id), c.final_message(result.id, data)),
                 ("xack_del", stream, entry_id)]
 
     def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
@@ -334,6 +331,8 @@ class Worker:
     # -- heartbeat -----------------------------------------------------------------
 
     def _heartbeat(self) -> c.Heartbeat:
+        if self.metrics is not None:
+            self.metrics.sample_gpu_memory()
         return c.Heartbeat(name=self.cfg.name, pid=os.getpid(), host=socket.gethostname(), device=self.device,
                            model=self.model_name, num_slots=self.engine.num_slots, running=self.engine.num_running,
                            free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),

@@ -1,0 +1,65 @@
+"""Prometheus metrics of a worker, served on ``--metrics-port``."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels = {"worker": worker_name}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["worker"], registry=r).labels(**labels)
+
+        self.running = gauge("gaggle_worker_running_sequences", "Sequences decoding now")
+        self.free_slots = gauge("gaggle_worker_free_slots", "State slots free")
+        self.gpu_memory = gauge("gaggle_worker_gpu_memory_bytes", "GPU memory allocated by the engine")
+        self.tokens = Counter("gaggle_worker_generated_tokens", "Tokens generated", ["worker"], registry=r).labels(**labels)
+        self.requests = Counter("gaggle_worker_requests", "Requests ended, by status", ["worker", "status"], registry=r)
+        self.step_seconds = Histogram("gaggle_worker_step_seconds", "Engine step time", ["worker"],
+                                      buckets=STEP_BUCKETS, registry=r).labels(**labels)
+        self.batch_size = Histogram("gaggle_worker_batch_size", "Sequences producing a token per step", ["worker"],
+                                    buckets=BATCH_BUCKETS, registry=r).labels(**labels)
+        self.redis_write_seconds = Histogram("gaggle_worker_redis_write_seconds", "One pipelined write round trip",
+                                             ["worker"], buckets=STEP_BUCKETS, registry=r).labels(**labels)
+        self.worker_name = worker_name
+
+    def on_step(self, seconds: float, num_outputs: int, running: int, free_slots: int) -> None:
+        self.step_seconds.observe(seconds)
+        if num_outputs:
+            self.batch_size.observe(num_outputs)
+            self.tokens.inc(num_outputs)
+        self.running.set(running)
+        self.free_slots.set(free_slots)
+
+    def on_request_end(self, status: str) -> None:
+        self.requests.labels(worker=self.worker_name, status=status).inc()
+
+    def on_write(self, _steps: int, _ops: int, seconds: float) -> None:
+        self.redis_write_seconds.observe(seconds)
+
+    def sample_gpu_memory(self) -> None:
+        try:
+            import torch
+            if torch.cuda.is_available():
+                self.gpu_memory.set(torch.cuda.memory_allocated())
+        except Exception:
+            log.debug("gpu memory probe failed", exc_info=True)
+
+
+def serve_worker_metrics(worker, port: int) -> WorkerMetrics:
+    metrics = WorkerMetrics(worker.cfg.name)
+    worker.attach_metrics(metrics)
+    start_http_server(port, registry=metrics.registry)
+    log.info("worker metrics served", extra={"worker": worker.cfg.name, "port": port})
+    return metrics
