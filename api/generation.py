@@ -80,6 +80,10 @@ class GenerationService:
             log.error("enqueue failed", extra={"request_id": job.id, "error": str(e)})
             raise OpenAIError(503, "the request queue is unavailable; try again later",
                               code="queue_unavailable") from None
+        except BaseException:  # cancelled mid-way: maybe queued, so cancel too
+            self.broker.channels.unsubscribe_soon(channels, inbox)
+            self.broker.cancel_soon(job.request_ids, "cancelled while queueing")
+            raise
         self.metrics.prompt_tokens.labels(job.endpoint).inc(job.prompt_tokens)
         for req in job.requests:
             log.info("request queued", extra={"request_id": req.id, "tenant": job.tenant, "endpoint": job.endpoint,

@@ -42,7 +42,8 @@ class Multiplexer:
         self._channels: dict[str, _Channel] = {}
         self._lock = asyncio.Lock()  # one SUBSCRIBE/UNSUBSCRIBE write at a time
         self._task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # UNSUBSCRIBEs sent from tasks of their own
+        self._stale: set[str] = set()  # channels with messages but no reader, being unsubscribed
         self.num_reconnects = 0
 
     @property
@@ -50,12 +51,18 @@ class Multiplexer:
         return len(self._channels)
 
     async def start(self) -> None:
+        """Connect (or leave it to the listener, which retries), then start the listener."""
+        try:
+            await self._pubsub.connect()
+        except (RedisError, OSError) as e:
+            log.warning("pub/sub connection not established yet", extra={"error": str(e)})
         self._task = asyncio.create_task(self._listen(), name="gaggle-pubsub-listener")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._pubsub.aclose()
 
     # -- subscriptions -------------------------------------------------------------------
@@ -73,14 +80,29 @@ class Multiplexer:
         try:
             if new:
                 async with self._lock:
+                    if self._pubsub.connection is None:  # only the listener makes the first connection
+                        raise RedisError("not connected to redis yet")
                     await self._pubsub.subscribe(*new)
             waits = [asyncio.shield(self._channels[name].confirmed) for name in channels]
             await asyncio.wait_for(asyncio.gather(*waits), SUBSCRIBE_TIMEOUT_S)
         except (RedisError, OSError, asyncio.TimeoutError) as e:
-            await self.unsubscribe(channels, inbox)
+            self.unsubscribe_soon(channels, inbox)
             raise SubscribeTimeout(f"could not subscribe to the output channel: {e!r}") from e
+        except BaseException:  # cancelled: leave nothing registered
+            self.unsubscribe_soon(channels, inbox)
+            raise
 
     async def unsubscribe(self, channels: list[str], inbox: asyncio.Queue) -> None:
+        await self._send_unsubscribe(self._forget(channels, inbox))
+
+    def unsubscribe_soon(self, channels: list[str], inbox: asyncio.Queue) -> None:
+        """From code that may be cancelled: forget now, send UNSUBSCRIBE from a task of its own."""
+        gone = self._forget(channels, inbox)
+        if gone:
+            self._spawn(self._send_unsubscribe(gone))
+
+    def _forget(self, channels: list[str], inbox: asyncio.Queue) -> list[str]:
+        """Detach ``inbox``; the channels nobody listens to any more."""
         gone = []
         for name in channels:
             ch = self._channels.get(name)
@@ -92,20 +114,24 @@ class Multiplexer:
                 if not ch.confirmed.done():
                     ch.confirmed.cancel()
                 gone.append(name)
-        if gone:
-            try:
-                async with self._lock:
-                    await self._pubsub.unsubscribe(*gone)
-            except (RedisError, OSError) as e:  # resubscribed on reconnect only if still known: harmless
-                log.warning("unsubscribe failed", extra={"channels": len(gone), "error": str(e)})
+        return gone
 
-    async def _unsubscribe_stale(self, name: str) -> None:
+    async def _send_unsubscribe(self, names: list[str]) -> None:
+        if not names:
+            return
         try:
-            async with self._lock:  # checked under the lock: a new subscribe() sends after us
-                if name not in self._channels:
-                    await self._pubsub.unsubscribe(name)
-        except (RedisError, OSError) as e:
-            log.warning("unsubscribe failed", extra={"channel": name, "error": str(e)})
+            async with self._lock:  # checked under the lock: a channel wanted again stays subscribed
+                names = [name for name in names if name not in self._channels]
+                if names:
+                    await self._pubsub.unsubscribe(*names)
+        except (RedisError, OSError) as e:  # a leftover subscription is dropped when it next gets a message
+            log.warning("unsubscribe failed", extra={"channels": len(names), "error": str(e)})
+
+    async def _drop_stale(self, name: str) -> None:
+        try:
+            await self._send_unsubscribe([name])
+        finally:
+            self._stale.discard(name)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -143,8 +169,9 @@ class Multiplexer:
         name = channel.decode() if isinstance(channel, bytes) else str(channel)
         ch = self._channels.get(name)
         if ch is None:
-            if kind == "message":  # left over (e.g. re-subscribed on reconnect while unsubscribing): drop it
-                self._spawn(self._unsubscribe_stale(name))
+            if kind == "message" and name not in self._stale:  # left over (re-subscribed on reconnect, ...)
+                self._stale.add(name)
+                self._spawn(self._drop_stale(name))
             return
         if kind == "subscribe":
             if not ch.confirmed.done():

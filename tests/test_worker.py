@@ -220,15 +220,15 @@ def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url
 def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_path):
     rids = [f"drain-{i}" for i in range(4)]
     for i, rid in enumerate(rids):
-        submit(r, rid, prompt(i), max_tokens=300, ignore_eos=True)
-    w = start_worker(redis_url, str(tiny_model_path), "drainer", "--max-num-seqs", "4")
+        submit(r, rid, prompt(i), max_tokens=150, ignore_eos=True)
+    w = start_worker(redis_url, str(tiny_model_path), "drainer", "--max-num-seqs", "4", "--drain-timeout", "600")
     check = [sys.executable, "-m", "worker.cli", "worker", "--check", "--name", "drainer", "--redis-url", redis_url]
     assert wait_running(r, rids)
     assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 0
     submit(r, "late", prompt(9), max_tokens=4)  # arrives while draining: left for others
     w.send_signal(signal.SIGTERM)
-    assert w.wait(timeout=120) == 0
-    assert all(res.status == "completed" and res.completion_tokens == 300
+    assert w.wait(timeout=600) == 0
+    assert all(res.status == "completed" and res.completion_tokens == 150
                for res in wait_results(r, rids, 5).values())
     assert result(r, "late") is None
     assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 1
