@@ -65,3 +65,11 @@ def redis_url(redis_server):
     client.flushall()
     yield redis_server.url
     client.flushall()
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_workers():
+    """Worker processes a test started never outlive it, even when the test fails or times out."""
+    yield
+    from tests.queue_helpers import kill_started
+    kill_started()

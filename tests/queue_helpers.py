@@ -62,7 +62,19 @@ def start_worker(redis_url: str, model: str, name: str, *extra: str, env: dict |
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=log)
     proc.log_path = log.name
+    STARTED.append(proc)
     return proc
+
+
+STARTED: list[subprocess.Popen] = []  # killed after each test by the conftest fixture
+
+
+def kill_started() -> None:
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def log_of(proc: subprocess.Popen, tail: int = 3000) -> str:

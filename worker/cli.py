@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     p.set_defaults(func=cmd_worker)
 
+    p = sub.add_parser("up", help="run the whole service: embedded Redis, a worker per GPU (or CPU), the API")
+    from worker.supervisor import add_up_args, cmd_up
+    add_up_args(p)
+    p.set_defaults(func=cmd_up)
+
     p = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API (imports no torch)")
     add_redis_arg(p)
     from api.server import add_api_args

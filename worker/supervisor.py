@@ -1,0 +1,229 @@
+"""``gaggle up``: the whole service as one process tree on one machine.
+
+embedded redis-server (unless --redis-url) → one worker per visible GPU (or one CPU
+worker) → the API. Children run in their own sessions so a terminal Ctrl-C reaches
+only the supervisor, which stops them in order: API, then workers (they drain),
+then Redis. A child that dies is restarted with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("gaggle.up")
+
+BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    backoff_s: float = BACKOFF_START_S
+    restart_at: float = 0.0
+    restarts: int = 0
+    log_path: Path | None = None
+    env: dict = field(default_factory=dict)
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else None
+        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, start_new_session=True,
+                                     stdout=out or None, stderr=subprocess.STDOUT if out else None)
+        self.started = time.monotonic()
+        log.info("started", extra={"child": self.name, "pid": self.proc.pid})
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)  # the child's whole session (uvicorn workers too)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout_s: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            self.proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def visible_gpus(device: str) -> list[str]:
+    if device not in ("auto", "cuda"):
+        return [device]
+    try:
+        import torch
+        n = torch.cuda.device_count()
+    except Exception:
+        n = 0
+    if n == 0:
+        if device == "cuda":
+            raise SystemExit("gaggle: --device cuda but no CUDA GPU is visible")
+        return ["cpu"]
+    return [f"cuda:{i}" for i in range(n)]
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace, model: str):
+        self.args = args
+        self.model = model
+        self.data_dir = Path(args.data_dir).resolve()
+        self.logs = self.data_dir / "logs"
+        self.redis = None
+        self.redis_url = args.redis_url
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "worker.cli", "--log-level", "INFO",
+                "--log-format", "json", *args]
+
+    def build(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        host = socket.gethostname()
+        for device in visible_gpus(self.args.device):
+            name = f"{host}-{device.replace(':', '')}"
+            cmd = self._python("worker", "--redis-url", self.redis_url, "--model", self.model, "--device", device,
+                               "--name", name, "--drain-timeout", str(self.args.drain_timeout),
+                               *self.args.worker_args)
+            self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log"))
+        api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
+                           str(self.args.port), "--workers", str(self.args.api_workers),
+                           "--model-name", self.args.model_name or Path(self.model).stem, *self.args.api_args)
+        self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log"))
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        if not self.redis_url:
+            from worker.redis_server import RedisServer
+            self.redis = RedisServer(self.data_dir / "redis", port=self.args.redis_port).start()
+            self.redis_url = self.redis.url
+            log.info("embedded redis started", extra={"url": self.redis_url, "aof": str(self.data_dir / 'redis')})
+        self.build()
+        for child in self.children:
+            child.start()
+        try:
+            if self._wait_ready():
+                self._print_banner()
+            while not self.stopping:
+                self._restart_crashed()
+                time.sleep(0.2)
+        finally:
+            self.shutdown()
+        return 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        print("\ngaggle: stopping (workers drain first)…", file=sys.stderr)
+
+    def _restart_crashed(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.alive():
+                if now - child.started > HEALTHY_AFTER_S:
+                    child.backoff_s = BACKOFF_START_S
+                continue
+            if child.restart_at == 0.0:
+                code = child.proc.returncode if child.proc else None
+                child.restart_at = now + child.backoff_s
+                log.error("child exited; restarting with backoff", extra={
+                    "child": child.name, "exit_code": code, "backoff_s": child.backoff_s, "log": str(child.log_path)})
+                print(f"gaggle: {child.name} exited ({code}); restarting in {child.backoff_s:.0f} s "
+                      f"(log: {child.log_path})", file=sys.stderr)
+            elif now >= child.restart_at:
+                child.restart_at = 0.0
+                child.restarts += 1
+                child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+                child.start()
+
+    def _url(self) -> str:
+        host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
+        return f"http://{host}:{self.args.port}"
+
+    def _wait_ready(self, timeout_s: float = 300.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            try:
+                with urllib.request.urlopen(self._url() + "/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return True
+            except Exception:
+                pass
+            self._restart_crashed()
+            time.sleep(0.5)
+        return False
+
+    def _print_banner(self) -> None:
+        url = self._url()
+        print(f"""
+gaggle is up: {url}/v1   (model: {self.model}; logs: {self.logs})
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model": "any", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
+print(c.completions.create(model='any', prompt='The goose', max_tokens=32).choices[0].text)"
+
+Ctrl-C stops everything (workers finish their running requests first).
+""", flush=True)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        api = [c for c in self.children if c.name == "api"]
+        workers = [c for c in self.children if c.name != "api"]
+        for group, timeout_s in ((api, 15.0), (workers, self.args.drain_timeout + 15.0)):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            for child in group:
+                if not child.wait(timeout_s):
+                    log.warning("child did not stop; killing", extra={"child": child.name})
+                    child.signal(signal.SIGKILL)
+                    child.wait(5.0)
+        if self.redis is not None:
+            self.redis.stop()
+        print("gaggle: stopped", file=sys.stderr)
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="RWKV-7 .pth or fla-hub directory (default: a demo model, random weights)")
+    p.add_argument("--device", default="auto", help="auto (every visible GPU, else CPU) | cpu | cuda | cuda:N")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of starting an embedded one")
+    p.add_argument("--redis-port", type=int, default=None, help="port of the embedded Redis (default: a free one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-workers", type=int, default=1)
+    p.add_argument("--model-name", help="model id clients see (default: the file's name)")
+    p.add_argument("--data-dir", default=".gaggle", help="demo model, Redis AOF and logs")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
+                   help="extra flag passed to each worker, e.g. --worker-arg=--max-num-seqs=512")
+    p.add_argument("--api-arg", dest="api_args", action="append", default=[],
+                   help="extra flag passed to the API, e.g. --api-arg=--api-keys-file=keys.txt")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from worker.cli import ensure_demo_model
+    model = args.model or str(ensure_demo_model(Path(args.data_dir)))
+    if args.model and not Path(args.model).exists():
+        print(f"gaggle: model not found: {args.model}", file=sys.stderr)
+        return 2
+    return Supervisor(args, model).run()
