@@ -11,20 +11,14 @@ import platform
 import statistics
 import sys
 import time
-from datetime import date
 
 import torch
 
 from engine.demo import PRESETS, random_state_dict
+from engine.report import publish, table
 from engine.weights import weights_from_state_dict
 
 DECODE_BATCHES = (1, 64, 256, 1024)
-
-
-def table(title: str, header: list[str], rows: list[list]) -> str:
-    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 # -- CPU ----------------------------------------------------------------------------------
@@ -188,12 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         body = bench_cuda(args.shapes.split(","), args.max_batch)
         where = f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"
-    cmd = "python -m engine.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = f"## Engine, {date.today()} — {where}\n\nCommand: `{cmd}`\n\n{body}"
-    print(section)
-    if args.out != "-":
-        with open(args.out, "a") as f:
-            f.write("\n" + section)
+    publish(f"Engine — {where}", "engine.bench", argv, body, args.out)
     return 0
 
 

@@ -15,10 +15,10 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import date
 
 import redis
 
+from engine.report import publish
 from engine.sequence import SequenceOutput
 from worker import contract as c
 from worker.redis_server import RedisServer
@@ -145,13 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     body = "".join(f"| {r['seqs']} | {r['steps']} | {r['msgs_per_s']:,.0f} | {r['handover_ms_p50']:.2f} / "
                    f"{r['handover_ms_p99']:.2f} | {r['redis_ms_p50']:.2f} / {r['redis_ms_p99']:.2f} | "
                    f"{r['steps_per_write']:.2f} |\n" for r in rows)
-    cmd = "python -m worker.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = (f"## Worker queue overhead, {date.today()} — no-compute engine, simulated {args.step_ms} ms step, "
-               f"embedded redis-server, one subscriber on every channel\n\nCommand: `{cmd}`\n\n{header}{body}")
-    print(section)
-    if args.out != "-":
-        with open(args.out, "a") as f:
-            f.write("\n" + section)
+    publish(f"Worker queue overhead — no-compute engine, simulated {args.step_ms} ms step, embedded "
+            "redis-server, one subscriber process on every channel", "worker.bench", argv, header + body, args.out)
     return 0
 
 
