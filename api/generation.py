@@ -59,10 +59,15 @@ class GenerationService:
             log.info("request rejected: queue full", extra={"request_id": job.id, "queue_depth": depth})
             raise OpenAIError(429, f"the queue is full ({depth} requests waiting or running, limit "
                                    f"{self.settings.max_queue}); retry later", code="queue_full", headers=retry)
-        if require_worker and not any(not w.draining for w in workers):
+        live = [w for w in workers if not w.draining]
+        if require_worker and not live:
             log.info("request rejected: no live worker", extra={"request_id": job.id})
             raise OpenAIError(503, "no generation worker is alive; try again later", code="no_workers",
                               headers=retry)
+        slots = min((w.num_slots for w in live), default=0)
+        if slots and job.shape.n > slots:  # a worker would dead-letter it: n sequences need n slots
+            raise OpenAIError(400, f"n must be at most {slots} (the sequence slots of the smallest live worker), "
+                                   f"got {job.shape.n}", param="n", code="invalid_value")
 
     async def submit(self, job: Job, inbox: asyncio.Queue) -> None:
         """Subscribe (confirmed) to every output channel, then write the records and XADD."""

@@ -219,6 +219,9 @@ def test_errors_raise_the_sdk_exceptions(client, stack, http):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, n=NUM_SLOTS + 1)  # more than a worker can run
+    assert e.value.body["param"] == "n" and str(NUM_SLOTS) in e.value.body["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=stack.api.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
