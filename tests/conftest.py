@@ -69,7 +69,11 @@ def redis_url(redis_server):
 
 @pytest.fixture(autouse=True)
 def _no_stray_workers():
-    """Worker processes a test started never outlive it, even when the test fails or times out."""
+    """Worker processes a test started never outlive it, even when it fails or times out.
+
+    Higher-scoped fixtures are set up before this one, so workers they share across tests are left alone.
+    """
+    from tests.queue_helpers import STARTED, kill_started
+    mark = len(STARTED)
     yield
-    from tests.queue_helpers import kill_started
-    kill_started()
+    kill_started(since=mark)

@@ -69,8 +69,8 @@ def start_worker(redis_url: str, model: str, name: str, *extra: str, env: dict |
 STARTED: list[subprocess.Popen] = []  # killed after each test by the conftest fixture
 
 
-def kill_started() -> None:
-    while STARTED:
+def kill_started(since: int = 0) -> None:
+    while len(STARTED) > since:
         proc = STARTED.pop()
         if proc.poll() is None:
             proc.kill()
