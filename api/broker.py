@@ -16,7 +16,6 @@ from worker import contract as c
 
 log = logging.getLogger(__name__)
 
-SCAN_COUNT = 1000
 CLIENT_NAME = "gaggle-api"
 PUBSUB_CLIENT_NAME = "gaggle-api-pubsub"  # the one subscriber connection of an API process (CLIENT LIST)
 
@@ -131,9 +130,11 @@ class Broker:
             return self._workers
 
     async def _read_heartbeats(self) -> list[c.Heartbeat]:
-        keys = [key async for key in self.redis.scan_iter(match=c.HEARTBEAT_PATTERN, count=SCAN_COUNT)]
-        if not keys:
+        recent = time.time() - c.WORKER_REGISTRY_RETENTION_S  # the heartbeat keys' TTLs decide who is alive
+        names = await self.redis.zrangebyscore(c.WORKER_REGISTRY, recent, "+inf")
+        if not names:
             return []
+        keys = [c.heartbeat_key(n.decode() if isinstance(n, bytes) else n) for n in names]
         beats = []
         for data in await self.redis.mget(keys):
             if data:  # expired between SCAN and MGET

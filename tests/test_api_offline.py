@@ -59,7 +59,10 @@ def clear_queue(r) -> None:
 def set_fake_heartbeat(r) -> None:
     hb = c.Heartbeat(name=FAKE, pid=0, host="test", device="cpu", model="none", num_slots=1, running=0,
                      free_slots=1, tokens_per_s=0.0, started=time.time())
-    r.set(c.heartbeat_key(FAKE), hb.encode(), px=600_000)
+    pipe = r.pipeline()
+    hb.publish(pipe)
+    pipe.set(c.heartbeat_key(FAKE), hb.encode(), px=600_000)  # outlives the test, unlike a real worker's
+    pipe.execute()
 
 
 # -- no torch, pure helpers ----------------------------------------------------------------------

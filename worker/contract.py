@@ -17,6 +17,7 @@ Key space (all under ``gaggle:``):
                                    (+ model, n, deadline written by the API: see request_record)
     text:<id>:<index>      string  text so far of one choice (async requests only)
     worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model)
+    workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
 
 Streams are trimmed with XDEL only after XACK, so XLEN = queued + in flight.
 """
@@ -76,7 +77,8 @@ def heartbeat_key(worker_name: str) -> str:
     return f"{PREFIX}worker:{worker_name}"
 
 
-HEARTBEAT_PATTERN = PREFIX + "worker:*"
+WORKER_REGISTRY = PREFIX + "workers"  # sorted set: worker name -> time of its last heartbeat (no keyspace SCAN)
+WORKER_REGISTRY_RETENTION_S = 3600.0  # names silent this long are dropped; liveness is the heartbeat key's TTL
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -266,6 +268,12 @@ class Heartbeat:
 
     def encode(self) -> bytes:
         return dumps({"v": SCHEMA_VERSION, **asdict(self)})
+
+    def publish(self, pipe) -> None:
+        """Queue the heartbeat's commands on a redis pipeline: the key with its TTL, and the registry entry."""
+        pipe.set(heartbeat_key(self.name), self.encode(), px=int(HEARTBEAT_TTL_S * 1000))
+        pipe.zadd(WORKER_REGISTRY, {self.name: self.ts})
+        pipe.zremrangebyscore(WORKER_REGISTRY, "-inf", self.ts - WORKER_REGISTRY_RETENTION_S)
 
     @classmethod
     def decode(cls, data: bytes | str) -> "Heartbeat":

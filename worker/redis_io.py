@@ -252,8 +252,9 @@ class RedisIO:
                 self.redis.xclaim(stream, c.GROUP, self.name, 0, ids[i:i + 1000], justid=True)
 
     def _beat(self) -> None:
-        hb = self.heartbeat()
-        self.redis.set(c.heartbeat_key(self.name), hb.encode(), px=int(c.HEARTBEAT_TTL_S * 1000))
+        pipe = self.redis.pipeline(transaction=False)
+        self.heartbeat().publish(pipe)
+        pipe.execute()
 
     # -- writer thread -------------------------------------------------------------
 

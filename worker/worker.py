@@ -118,6 +118,7 @@ class Worker:
         self._release_unfinished()
         self.io.stop()
         self.io.redis.delete(c.heartbeat_key(self.cfg.name))
+        self.io.redis.zrem(c.WORKER_REGISTRY, self.cfg.name)
         log.info("worker stopped", extra={"worker": self.cfg.name})
 
     def _release_unfinished(self) -> None:
