@@ -103,6 +103,7 @@ class LLMEngine:
         """Drop a request wherever it is and free its slots at once; False if unknown."""
         if request_id not in self._sequences:
             return False
+        self._release_sampler_slots([s.slot for s in self._sequences[request_id]])
         removed = self.scheduler.abort(request_id)
         for s in removed:
             s.finish_reason = FinishReason.ABORT
@@ -167,6 +168,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason, text: str) -> str:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._release_sampler_slots([seq.slot])
         self.scheduler.finish(seq)
         family = self._sequences.get(seq.request_id, [])
         if all(s.status == Status.FINISHED for s in family):
@@ -175,6 +177,12 @@ class LLMEngine:
                                              "finish_reason": reason.value,
                                              "output_tokens": len(seq.output_token_ids)})
         return text
+
+    def _release_sampler_slots(self, slots: list[int | None]) -> None:
+        """Finished slots stop switching on sampler stages (top_p sort, penalties) for the others."""
+        for slot in slots:
+            if slot is not None:
+                self.runner.sampler.release_slot(slot)
 
     @staticmethod
     def _logprob_entry(sampled: SampleOutput, row: int, token: int) -> list[TokenLogprob] | None:
