@@ -113,7 +113,6 @@ def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.floa
                                 iters=5, warmup=2)
         res["mixed"] = (decode_ms, mixed_ms)
     res["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    del model, pool
     return res
 
 

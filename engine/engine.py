@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 
 from engine.config import EngineConfig
 from engine.runner import ModelRunner
@@ -135,12 +134,9 @@ class LLMEngine:
     def _postprocess(self, seqs: list[Sequence], sampled: SampleOutput | None) -> list[SequenceOutput]:
         if sampled is None:
             return []
-        now = time.time()
         outputs = []
         for row, seq in enumerate(seqs):
             token = sampled.token_ids[row]
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             seq.output_token_ids.append(token)
             text = self._append_text(seq, token)
             outputs.append(SequenceOutput(

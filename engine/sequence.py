@@ -73,7 +73,6 @@ class Sequence:
         self.siblings: list[Sequence] = []  # n > 1: the sequences that fork off this one's prefill
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
-        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

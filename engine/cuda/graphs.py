@@ -58,11 +58,6 @@ class DecodeGraphs:
         self.capture_s += time.perf_counter() - t0
         log.info("captured decode graph", extra={"batch": bs, "seconds": round(time.perf_counter() - t0, 3)})
 
-    def capture_all(self) -> None:
-        for bs in reversed(self.sizes):
-            if bs not in self.graphs:
-                self.capture(bs)
-
     def run(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = len(token_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
