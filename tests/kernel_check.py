@@ -7,7 +7,9 @@ import sys
 
 import torch
 
-from engine.cuda.kernels import shift_mix, shift_mix_ref, wkv7_decode, wkv7_decode_ref
+from engine.cuda.kernels import (ACT_LORA, ACT_NONE, ACT_RELU_SQUARE, ln_shift_mix, ln_shift_mix_ref, relu_square_,
+                                 shift_mix, shift_mix_ref, small_matmul, small_matmul_ref, wkv7_decode,
+                                 wkv7_decode_ref)
 from engine.cuda.model import CudaRwkv7
 from engine.demo import random_state_dict
 from engine.model import ReferenceRwkv7
@@ -45,6 +47,29 @@ def check_kernels() -> None:
     shift_mix(x, shift, slots, mix, out)
     shift_mix_ref(x, twin_shift, slots, mix, twin_out)
     assert torch.equal(out, twin_out) and torch.equal(shift, twin_shift)
+    ln = (torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen))
+    for width in (C, 24):  # a power of two and a masked tail
+        x, shift = torch.randn(B, width, generator=gen) * 3 + 1, torch.randn(S, width, generator=gen)
+        twin_shift, mix = shift.clone(), torch.rand(7, width, generator=gen)
+        lnw = (ln[0][:width].contiguous(), ln[1][:width].contiguous())
+        out, twin_out = torch.empty(7, B, width), torch.empty(7, B, width)
+        ln_shift_mix(x, lnw, shift, slots, mix, out)
+        ln_shift_mix_ref(x, lnw, twin_shift, slots, mix, twin_out)
+        assert rel(out, twin_out) < 1e-5 and rel(shift, twin_shift) < 1e-5, ("ln_shift_mix", width)
+
+
+def check_small_matmul() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for G, M, N, K, act in ((3, 1, 48, 96, ACT_NONE), (4, 5, 24, 80, ACT_LORA), (1, 16, 70, 130, ACT_RELU_SQUARE)):
+        x, w = torch.randn(G, M, K, generator=gen), torch.randn(G, N, K, generator=gen) / K ** 0.5
+        res = torch.randn(M, N, generator=gen) if G == 1 else None
+        got = small_matmul(x, w, act, residual=res)
+        assert rel(got, small_matmul_ref(x, w, act, residual=res)) < 1e-5, ("small_matmul", G, M, N, K, act)
+    x = torch.randn(2, 6, 32, generator=gen)[1]  # a strided 2-D view: rows must still be read right
+    w = torch.randn(20, 32, generator=gen)
+    assert rel(small_matmul(x, w), x @ w.T) < 1e-5
+    h = torch.randn(3, 4097, generator=gen)
+    assert torch.equal(relu_square_(h.clone()), torch.relu(h).square())
 
 
 def check_decode_path() -> None:
@@ -52,6 +77,12 @@ def check_decode_path() -> None:
     pool = StatePool(weights.shape, 5, "cpu")
     ref = ReferenceRwkv7(weights, pool)
     fast = CudaRwkv7(weights, pool, enforce_eager=True)
+    for small_batch_max in (16, 0):  # the weight-streaming kernels, then the cuBLAS/bmm path
+        fast.small_batch_max = small_batch_max
+        check_decode_equal(ref, fast, pool)
+
+
+def check_decode_equal(ref, fast, pool) -> None:
     ref.prefill([list(range(1, 30))], [1])
     ref.prefill([list(range(5, 20))], [3])
     saved = [t.clone() for t in (pool.wkv, pool.att_shift, pool.ffn_shift)]
@@ -68,6 +99,7 @@ def check_decode_path() -> None:
 
 if __name__ == "__main__":
     check_kernels()
+    check_small_matmul()
     check_decode_path()
     print("kernel checks passed")
     sys.exit(0)

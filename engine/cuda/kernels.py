@@ -145,3 +145,134 @@ def shift_mix_ref(x, shift, slots, mix, out):
     shift[slots] = x.to(shift.dtype)
     out.copy_((x.float()[None] + (prev.float() - x.float())[None] * mix.float()[:, None]).to(out.dtype))
     return out
+
+
+@triton.jit
+def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
+                         C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """LayerNorm of one row fused with its token-shift mixes (one launch instead of two)."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < C
+    xf = tl.load(x + b * C + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(xf, axis=0) / C
+    d = tl.where(mask, xf - mean, 0.0)
+    var = tl.sum(d * d, axis=0) / C
+    xn = d / tl.sqrt(var + eps) * tl.load(ln_w + offs, mask=mask).to(tl.float32) \
+        + tl.load(ln_b + offs, mask=mask).to(tl.float32)
+    xb = xn.to(x.dtype.element_ty)  # rounded where the unfused LayerNorm would round
+    slot = tl.load(slots + b).to(tl.int64)
+    prev = tl.load(shift + slot * C + offs, mask=mask).to(x.dtype.element_ty)
+    tl.store(shift + slot * C + offs, xb.to(shift.dtype.element_ty), mask=mask)
+    xf = xb.to(tl.float32)
+    delta = prev.to(tl.float32) - xf
+    for j in tl.static_range(K):
+        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
+        tl.store(out + (j * B + b) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
+
+
+def ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor, slots: torch.Tensor,
+                 mix: torch.Tensor, out: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """``xx = LayerNorm(x)``; ``out[j, b] = xx[b] + (shift[slot_b] - xx[b]) * mix[j]``; ``shift[slot_b] = xx[b]``."""
+    B, C = x.shape
+    BLOCK = triton.next_power_of_2(C)
+    _ln_shift_mix_kernel[(B,)](x, ln[0], ln[1], shift, slots, mix, out, B, eps, C=C, K=mix.shape[0], BLOCK=BLOCK,
+                               num_warps=8 if BLOCK >= 2048 else 4)
+    return out
+
+
+def ln_shift_mix_ref(x, ln, shift, slots, mix, out, eps: float = 1e-5):
+    return shift_mix_ref(torch.nn.functional.layer_norm(x, (x.shape[1],), *ln, eps=eps), shift, slots, mix, out)
+
+
+ACT_NONE, ACT_RELU_SQUARE, ACT_LORA = 0, 1, 2  # ACT_LORA: tanh on group 0 (decay), sigmoid on group 3 (gate)
+
+
+@triton.jit
+def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
+                         ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``."""
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_base = x + g * sxg + offs_m[:, None] * sxm
+    w_base = w + g * N * K + offs_n[:, None].to(tl.int64) * K
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xt = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:  # fp32 weights: no TF32 rounding
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    if ACT == 1:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
+    if ACT == 2:
+        tanh = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
+        acc = tl.where(g == 0, tanh, tl.where(g == 3, tl.sigmoid(acc), acc))
+    mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RES:
+        acc += tl.load(res + offs_m[:, None] * som + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + g * sog + offs_m[:, None] * som + offs_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+_small_matmul_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
+             for n in (16, 32) for k in (128, 256) for s in (3, 4)],
+    key=["N", "K", "BLOCK_M"])(_small_matmul_kernel)
+
+SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernel instead of cuBLAS
+
+
+def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped ``act(x[g] @ w[g].T) + residual`` for at most 16 rows. ``x``: [G, M, K] or [M, K] (rows
+    contiguous); ``w``: [G, N, K] or [N, K] contiguous (nn.Linear layout); ``residual``: [M, N]."""
+    squeeze = x.dim() == 2
+    x3, w3 = (x[None], w[None]) if squeeze else (x, w)
+    G, M, K = x3.shape
+    N = w3.shape[1]
+    assert M <= SMALL_MATMUL_MAX_ROWS and x3.stride(2) == 1 and w3.is_contiguous()
+    if out is None:
+        out = torch.empty(G, M, N, dtype=x.dtype, device=x.device)
+    out3 = out[None] if out.dim() == 2 else out
+    res = residual if residual is not None else out3
+    args = (x3, w3, out3, res, M, N, K, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1))
+    flags = dict(ACT=act, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16)
+    if x.is_cuda:
+        _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G)](*args, **flags)
+    else:  # the interpreter: one fixed configuration
+        _small_matmul_kernel[(triton.cdiv(N, 16), G)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
+    return out3[0] if squeeze else out3
+
+
+def small_matmul_ref(x, w, act: int = ACT_NONE, residual=None):
+    y = torch.matmul(x.float(), w.float().transpose(-1, -2))
+    if act == ACT_RELU_SQUARE:
+        y = torch.relu(y).square()
+    elif act == ACT_LORA:
+        y = torch.stack([y[0].tanh(), y[1], y[2], y[3].sigmoid()])
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+@triton.jit
+def _relu_square_kernel(x, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.maximum(tl.load(x + offs, mask=mask).to(tl.float32), 0.0)
+    tl.store(x + offs, (v * v).to(x.dtype.element_ty), mask=mask)
+
+
+def relu_square_(x: torch.Tensor) -> torch.Tensor:
+    """In place ``relu(x)²`` in one pass (the large-batch FFN; small batches fuse it into the matmul)."""
+    n = x.numel()
+    _relu_square_kernel[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096, num_warps=8)
+    return x

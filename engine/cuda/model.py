@@ -4,12 +4,16 @@ Same interface as ``engine.model.ReferenceRwkv7`` (``prefill``, ``decode``) and 
 same pool layout (official: wkv ``[value, key]``; fla's is the transpose, handled
 at the prefill boundary).
 
-Decode per layer: LayerNorm → fused token-shift mix (7 mixes, shift state
-gathered/scattered by slot) → one bmm for r/k/v → one padded bmm for the four
-LoRA down projections → tanh/sigmoid → one padded bmm up → fused wkv kernel
-(decay, iclr, value residual, key update, state update, readout, GroupNorm,
-bonus, gate) → addmm output projection with the residual → LayerNorm → fused
-shift mix → key matmul → relu² → addmm value projection with the residual.
+Decode per layer: LayerNorm fused with the token-shift mix (7 mixes, shift
+state gathered/scattered by slot) → r/k/v projections → the four LoRA down
+projections (zero-padded to one rank) with tanh/sigmoid → the four LoRA ups →
+fused wkv kernel (decay, iclr, value residual, key update, state update,
+readout, GroupNorm, bonus, gate) → output projection + residual → LayerNorm
+fused with the FFN shift mix → key projection, relu² → value projection +
+residual. Batches of up to 16 rows (batch-1 latency) run every projection
+through a weight-streaming Triton kernel with the activation/residual fused
+(10 launches per layer); larger batches use cuBLAS (tensor cores).
+All weights are kept in nn.Linear layout ``[out, in]``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cuda.graphs import DecodeGraphs
-from engine.cuda.kernels import DECAY_SCALE, shift_mix, wkv7_decode
+from engine.cuda.kernels import (ACT_LORA, ACT_RELU_SQUARE, DECAY_SCALE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix,
+                                 relu_square_, small_matmul, wkv7_decode)
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -37,9 +42,9 @@ class Layer:
     ln1: tuple[torch.Tensor, torch.Tensor]
     ln2: tuple[torch.Tensor, torch.Tensor]
     att_mix: torch.Tensor  # [7, C]
-    rkv_t: torch.Tensor  # [3, C, C] (in, out)
-    lora_down: torch.Tensor  # [4, C, D] zero-padded ranks
-    lora_up: torch.Tensor  # [4, D, C]
+    rkv: torch.Tensor  # [3, C, C] (out, in)
+    lora_down: torch.Tensor  # [4, D, C] zero-padded ranks (out, in)
+    lora_up: torch.Tensor  # [4, C, D]
     output: torch.Tensor  # [C, C] (out, in)
     ffn_mix: torch.Tensor  # [1, C]
     ffn_key: torch.Tensor  # [F, C]
@@ -61,6 +66,7 @@ class CudaRwkv7:
         self.ln_out = (t["ln_out.weight"], t["ln_out.bias"])
         self.head = t["head.weight"]
         self.layers = [self._prepare_layer(t, i) for i in range(s.n_layer)]
+        self.small_batch_max = SMALL_MATMUL_MAX_ROWS  # tests set 0 to run the cuBLAS path at any size
         self.scratch_slot = pool.num_slots - 1  # padding rows of a graph batch write here
         self.graphs = None if enforce_eager else DecodeGraphs(self._decode_eager, max_graph_batch or self.scratch_slot,
                                                               self.scratch_slot, pool.wkv.device)
@@ -70,17 +76,17 @@ class CudaRwkv7:
         C, dt = self.shape.n_embd, self.dtype
         ranks = [p(f"att.{x}1").shape[1] if (x != "v" or i > 0) else 0 for x in LORA_ORDER]
         D = max(ranks)
-        down = torch.zeros(4, C, D, dtype=dt, device=self.emb.device)
-        up = torch.zeros(4, D, C, dtype=dt, device=self.emb.device)
+        down = torch.zeros(4, D, C, dtype=dt, device=self.emb.device)
+        up = torch.zeros(4, C, D, dtype=dt, device=self.emb.device)
         for j, (x, r) in enumerate(zip(LORA_ORDER, ranks)):
-            if r:
-                down[j, :, :r], up[j, :r] = p(f"att.{x}1"), p(f"att.{x}2")
+            if r:  # official layout is (in, out): x @ w1 @ w2
+                down[j, :r], up[j, :, :r] = p(f"att.{x}1").t(), p(f"att.{x}2").t()
         vec = {n: p(f"att.{n}") for n in ("w0", "a0", "k_k", "k_a", "r_k", "ln_x.weight", "ln_x.bias")}
         vec["v0"] = p("att.v0") if i > 0 else vec["a0"]
         return Layer(
             ln1=(p("ln1.weight"), p("ln1.bias")), ln2=(p("ln2.weight"), p("ln2.bias")),
             att_mix=torch.stack([p(f"att.x_{x}") for x in ATT_MIX_ORDER]).to(dt).contiguous(),
-            rkv_t=torch.stack([p(f"att.{n}.weight").t() for n in ("receptance", "key", "value")]).contiguous(),
+            rkv=torch.stack([p(f"att.{n}.weight") for n in ("receptance", "key", "value")]).contiguous(),
             lora_down=down, lora_up=up, output=p("att.output.weight"),
             ffn_mix=p("ffn.x_k").to(dt)[None].contiguous(), ffn_key=p("ffn.key.weight"),
             ffn_value=p("ffn.value.weight"), p=vec)
@@ -96,27 +102,48 @@ class CudaRwkv7:
     def _decode_eager(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         pool, C = self.pool, self.shape.n_embd
         B = token_ids.shape[0]
+        small = B <= self.small_batch_max
         x = self.emb[token_ids]
         v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
         att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
         ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
         att = torch.empty(B, C, dtype=self.dtype, device=x.device)
         for i, L in enumerate(self.layers):
-            xx = F.layer_norm(x, (C,), *L.ln1)
-            shift_mix(xx, pool.att_shift[i], slots, L.att_mix, att_mixed)
-            rkv = torch.bmm(att_mixed[0:3], L.rkv_t)
-            lo = torch.bmm(att_mixed[3:7], L.lora_down)
-            lo[0].tanh_()
-            lo[3].sigmoid_()
-            up = torch.bmm(lo, L.lora_up)
+            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed)
+            if small:
+                rkv = small_matmul(att_mixed[0:3], L.rkv)
+                up = small_matmul(small_matmul(att_mixed[3:7], L.lora_down, ACT_LORA), L.lora_up)
+            else:
+                rkv = torch.bmm(att_mixed[0:3], L.rkv.transpose(1, 2))
+                lo = torch.bmm(att_mixed[3:7], L.lora_down.transpose(1, 2))
+                lo[0].tanh_()
+                lo[3].sigmoid_()
+                up = torch.bmm(lo, L.lora_up.transpose(1, 2))
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
                         L.p, i, self.eps, att)
-            x = torch.addmm(x, att, L.output.t())
-            xx = F.layer_norm(x, (C,), *L.ln2)
-            shift_mix(xx, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed)
-            h = torch.relu_(F.linear(ffn_mixed[0], L.ffn_key)).square_()
-            x = torch.addmm(x, h, L.ffn_value.t())
-        x = F.layer_norm(x, (C,), *self.ln_out)
+            x = self._project(att, L.output, x, small)
+            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed)
+            if small:
+                h = small_matmul(ffn_mixed[0], L.ffn_key, ACT_RELU_SQUARE)
+            else:
+                h = relu_square_(F.linear(ffn_mixed[0], L.ffn_key))
+            x = self._project(h, L.ffn_value, x, small)
+        return self._head(F.layer_norm(x, (C,), *self.ln_out))
+
+    @staticmethod
+    def _project(h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, small: bool) -> torch.Tensor:
+        """``residual + h @ weight.T``: fused in the small kernel; in place (no copy of the residual) on cuBLAS."""
+        if small:
+            return small_matmul(h, weight, residual=residual)
+        return residual.addmm_(h, weight.t())
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits straight out of the matmul where torch can (no separate [B, vocab] cast pass)."""
+        if x.is_cuda:
+            try:
+                return torch.mm(x, self.head.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass
         return F.linear(x, self.head).float()
 
     # -- prefill ---------------------------------------------------------------------
@@ -137,12 +164,11 @@ class CudaRwkv7:
             xx = F.layer_norm(x, (self.shape.n_embd,), *L.ln1)
             mixed = self._prefill_shift_mix(xx, self.pool.att_shift[i], slot_t, starts, ends, L.att_mix)
             att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
-            x = torch.addmm(x, att, L.output.t())
+            x = x.addmm_(att, L.output.t())
             xx = F.layer_norm(x, (self.shape.n_embd,), *L.ln2)
             kx = self._prefill_shift_mix(xx, self.pool.ffn_shift[i], slot_t, starts, ends, L.ffn_mix)[0]
-            x = torch.addmm(x, torch.relu_(F.linear(kx, L.ffn_key)).square_(), L.ffn_value.t())
-        x = F.layer_norm(x[ends], (self.shape.n_embd,), *self.ln_out)
-        return F.linear(x, self.head).float()
+            x = x.addmm_(relu_square_(F.linear(kx, L.ffn_key)), L.ffn_value.t())
+        return self._head(F.layer_norm(x[ends], (self.shape.n_embd,), *self.ln_out))
 
     @staticmethod
     def _prefill_shift_mix(xx, shift, slots, starts, ends, mix):
@@ -156,11 +182,11 @@ class CudaRwkv7:
 
         T, C = mixed.shape[1], self.shape.n_embd
         H, N = self.shape.n_head, self.shape.head_size
-        r, k, v = torch.bmm(mixed[0:3], L.rkv_t)
-        lo = torch.bmm(mixed[3:7], L.lora_down)
+        r, k, v = torch.bmm(mixed[0:3], L.rkv.transpose(1, 2))
+        lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
         lo[0].tanh_()
         lo[3].sigmoid_()
-        up = torch.bmm(lo, L.lora_up)
+        up = torch.bmm(lo, L.lora_up.transpose(1, 2))
         p = L.p
         iclr = torch.sigmoid(p["a0"] + up[1].float())
         if i == 0:
