@@ -8,6 +8,7 @@ import sys
 import torch
 
 from engine.cuda.kernels import (ACT_LORA, ACT_NONE, ACT_RELU_SQUARE, ln_shift_mix, ln_shift_mix_ref, relu_square_,
+                                 prefill_ln_shift_mix, prefill_ln_shift_mix_ref, prefill_mix_in, prefill_mix_in_ref, prefill_mix_out, prefill_mix_out_ref,
                                  shift_mix, shift_mix_ref, small_matmul, small_matmul_ref, wkv7_decode,
                                  wkv7_decode_ref)
 from engine.cuda.model import CudaRwkv7
@@ -72,6 +73,40 @@ def check_small_matmul() -> None:
     assert torch.equal(relu_square_(h.clone()), torch.relu(h).square())
 
 
+def check_prefill_mix() -> None:
+    """The prefill's elementwise kernels around fla (fla itself needs a GPU: the GPU tests cover the whole)."""
+    gen = torch.Generator().manual_seed(4)
+    T, H, N = 21, 2, 16  # T not a multiple of the token block
+    C = H * N
+    p = {n: torch.randn(C, generator=gen) for n in ("w0", "a0", "v0", "k_k", "k_a", "ln_x.weight", "ln_x.bias")}
+    p["r_k"] = torch.randn(H, N, generator=gen)
+    for layer in (0, 1):
+        r, k, v, wl, al, vl, g = (torch.randn(T, C, generator=gen) for _ in range(7))
+        vf = torch.randn(T, C, generator=gen)
+        twin_vf = vf.clone()
+        got = prefill_mix_in(r, k, v, wl, al, vl, vf, p, layer, H)
+        want = prefill_mix_in_ref(r, k, v, wl, al, vl, twin_vf, p, layer, H)
+        for name, a, b in zip(("log_decay", "k", "v", "a", "b", "bonus"), got, want):
+            assert rel(a, b) < 1e-5, ("prefill_mix_in", layer, name, rel(a, b))
+        assert torch.equal(vf, twin_vf), ("v_first", layer)
+        o = torch.randn(T, C, generator=gen)
+        out = prefill_mix_out(o, got[2], got[5], g, p, 64e-5)
+        assert rel(out, prefill_mix_out_ref(o, want[2], want[5], g, p, 64e-5)) < 1e-5, ("prefill_mix_out", layer)
+    lengths, slots = [1, 7, 4, 9], [3, 0, 5, 1]  # a one-token sequence: its first token is its last
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    for width in (C, 24):
+        x, shift = torch.randn(int(cu[-1]), width, generator=gen) * 2 + 1, torch.randn(6, width, generator=gen)
+        twin_shift, mix = shift.clone(), torch.rand(7, width, generator=gen)
+        ln = (torch.rand(width, generator=gen) + 0.5, torch.randn(width, generator=gen))
+        prev_slot = torch.full((len(x),), -1, dtype=torch.int32)
+        end_seq = prev_slot.clone()
+        prev_slot[cu[:-1]] = torch.tensor(slots, dtype=torch.int32)
+        end_seq[cu[1:] - 1] = torch.arange(len(slots), dtype=torch.int32)
+        got = prefill_ln_shift_mix(x, ln, shift, torch.tensor(slots), prev_slot, end_seq, mix)
+        want = prefill_ln_shift_mix_ref(x, ln, twin_shift, torch.tensor(slots), cu[:-1], cu[1:] - 1, mix)
+        assert rel(got, want) < 1e-5 and rel(shift, twin_shift) < 1e-5, ("prefill_ln_shift_mix", width)
+
+
 def check_decode_path() -> None:
     weights = weights_from_state_dict(random_state_dict(layers=3, width=128, vocab=500, head_size=32, seed=2))
     pool = StatePool(weights.shape, 5, "cpu")
@@ -100,6 +135,7 @@ def check_decode_equal(ref, fast, pool) -> None:
 if __name__ == "__main__":
     check_kernels()
     check_small_matmul()
+    check_prefill_mix()
     check_decode_path()
     print("kernel checks passed")
     sys.exit(0)

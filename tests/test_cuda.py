@@ -57,7 +57,7 @@ def reference_run(big_weights):
     return prompt, tokens, logits
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)], ids=["bf16", "fp32"])
 def test_cuda_path_tracks_fp32_reference(big_weights, reference_run, dtype, tolerance):
     prompt, tokens, expected = reference_run
     fast = build(big_weights, dtype, 2)
@@ -150,11 +150,12 @@ def test_hf_layout_matches_fla_model(tmp_path):
     from engine.demo import write_demo_model
     from engine.weights import load_model
     path = write_demo_model(tmp_path / "hf", layers=2, width=256, vocab=1024, seed=4, fmt="hf")
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(DEVICE).eval()
+    # bf16: fla's chunked delta-rule kernels warn against fp32 and spend minutes autotuning it
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(DEVICE).eval()
     prompt = list(range(3, 67))
     with torch.no_grad():
         expected = theirs(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
     ours = reference(load_model(path), 1)
     got = ours.prefill([prompt], [0])[0]
-    assert rel_err(got, expected) < 1e-2, rel_err(got, expected)
+    assert rel_err(got, expected) < 3e-2, rel_err(got, expected)  # a wrong name mapping gives ~1
     assert fla_models is not None

@@ -223,8 +223,10 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
 
 
 _small_matmul_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
-             for n in (16, 32) for k in (128, 256) for s in (3, 4)],
+    # one program per 16-32 output rows streams its weights: bandwidth needs ≥ 32-64 KiB in flight per SM
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+             for n, k, s, w in ((16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 3, 8),
+                                (32, 512, 3, 8))],
     key=["N", "K", "BLOCK_M"])(_small_matmul_kernel)
 
 SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernel instead of cuBLAS
@@ -276,3 +278,175 @@ def relu_square_(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     _relu_square_kernel[(triton.cdiv(n, 4096),)](x, n, BLOCK=4096, num_warps=8)
     return x
+
+
+# -- prefill: the time mix's elementwise work around fla's chunked kernel, one pass in and one out -------------
+
+@triton.jit
+def _prefill_mix_in_kernel(r, k, v, w_lora, a_lora, v_lora, v_first, w0, a0, v0, k_k, k_a, r_k,
+                           log_decay, k_out, v_out, a_out, b_out, bonus, T,
+                           H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+                           IS_FIRST_LAYER: tl.constexpr):
+    """fla's inputs for a block of tokens × one head: log decay, k (iclr-scaled), v (value residual),
+    a = -k̂, b = k̂·iclr; plus the per-head bonus coefficient Σ r·k·r_k."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = h * N + tl.arange(0, N)
+    mask = (rows < T)[:, None]
+    idx = rows[:, None].to(tl.int64) * C + cols[None, :]
+    kr = tl.load(k + idx, mask=mask, other=0.0).to(tl.float32)
+    vr = tl.load(v + idx, mask=mask, other=0.0).to(tl.float32)
+    iclr = tl.sigmoid(tl.load(a0 + cols).to(tl.float32)[None, :]
+                      + tl.load(a_lora + idx, mask=mask, other=0.0).to(tl.float32))
+    if IS_FIRST_LAYER:
+        vv = vr
+        tl.store(v_first + idx, vr.to(v_first.dtype.element_ty), mask=mask)
+    else:
+        vmix = tl.sigmoid(tl.load(v0 + cols).to(tl.float32)[None, :]
+                          + tl.load(v_lora + idx, mask=mask, other=0.0).to(tl.float32))
+        vf = tl.load(v_first + idx, mask=mask, other=0.0).to(tl.float32)
+        vv = vr + (vf - vr) * vmix
+    kk = kr * tl.load(k_k + cols).to(tl.float32)[None, :]
+    kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, axis=1)), 1e-12)[:, None]
+    k2 = kr * (1.0 + (iclr - 1.0) * tl.load(k_a + cols).to(tl.float32)[None, :])
+    w = tl.load(w0 + cols).to(tl.float32)[None, :] + tl.load(w_lora + idx, mask=mask, other=0.0).to(tl.float32)
+    out_ty = k_out.dtype.element_ty
+    tl.store(log_decay + idx, (-0.606531 * tl.sigmoid(w)).to(out_ty), mask=mask)
+    tl.store(k_out + idx, k2.to(out_ty), mask=mask)
+    tl.store(v_out + idx, vv.to(out_ty), mask=mask)
+    tl.store(a_out + idx, (-kk).to(out_ty), mask=mask)
+    tl.store(b_out + idx, (kk * iclr).to(out_ty), mask=mask)
+    rr = tl.load(r + idx, mask=mask, other=0.0).to(tl.float32)
+    coef = tl.sum(rr * k2 * tl.load(r_k + cols).to(tl.float32)[None, :], axis=1)
+    tl.store(bonus + rows * H + h, coef, mask=rows < T)
+
+
+@triton.jit
+def _prefill_mix_out_kernel(o, v, bonus, g, ln_w, ln_b, out, T, eps,
+                            H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+    """Per-head GroupNorm of fla's output, plus the bonus (Σ r·k·r_k)·v, times the gate."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = h * N + tl.arange(0, N)
+    mask = (rows < T)[:, None]
+    idx = rows[:, None].to(tl.int64) * C + cols[None, :]
+    y = tl.load(o + idx, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(y, axis=1) / N
+    d = y - mean[:, None]
+    var = tl.sum(d * d, axis=1) / N
+    yn = d / tl.sqrt(var + eps)[:, None] * tl.load(ln_w + cols).to(tl.float32)[None, :] \
+        + tl.load(ln_b + cols).to(tl.float32)[None, :]
+    coef = tl.load(bonus + rows * H + h, mask=rows < T, other=0.0)
+    vv = tl.load(v + idx, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(g + idx, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + idx, ((yn + coef[:, None] * vv) * gate).to(out.dtype.element_ty), mask=mask)
+
+
+PREFILL_BT = 16  # tokens per program
+
+
+def prefill_mix_in(r, k, v, w_lora, a_lora, v_lora, v_first, p: dict, layer: int, n_head: int):
+    """Returns (log_decay, k, v, a, b, bonus): fla's inputs ``[T, C]`` in ``r.dtype`` and ``bonus [T, H]`` fp32.
+    On the first layer ``v_first`` (``[T, C]``) receives ``v``."""
+    T, C = r.shape
+    N = C // n_head
+    log_decay, k2, vv, a, b = (torch.empty_like(r) for _ in range(5))
+    bonus = torch.empty(T, n_head, dtype=torch.float32, device=r.device)
+    _prefill_mix_in_kernel[(triton.cdiv(T, PREFILL_BT), n_head)](
+        r, k, v, w_lora, a_lora, v_lora, v_first, p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"],
+        p["k_a"], p["r_k"], log_decay, k2, vv, a, b, bonus, T, H=n_head, N=N, C=C, BT=PREFILL_BT,
+        IS_FIRST_LAYER=layer == 0, num_warps=4)
+    return log_decay, k2, vv, a, b, bonus
+
+
+def prefill_mix_out(o, v, bonus, g, p: dict, eps: float) -> torch.Tensor:
+    T, C = v.shape
+    H = bonus.shape[1]
+    out = torch.empty_like(v)
+    _prefill_mix_out_kernel[(triton.cdiv(T, PREFILL_BT), H)](o, v, bonus, g, p["ln_x.weight"], p["ln_x.bias"], out,
+                                                             T, eps, H=H, N=C // H, C=C, BT=PREFILL_BT, num_warps=4)
+    return out
+
+
+def prefill_mix_in_ref(r, k, v, w_lora, a_lora, v_lora, v_first, p: dict, layer: int, n_head: int):
+    T, C = r.shape
+    f = lambda t: t.float()  # noqa: E731
+    kr, vr = f(k), f(v)
+    iclr = torch.sigmoid(f(p["a0"]) + f(a_lora))
+    if layer == 0:
+        v_first.copy_(v)
+        vv = vr
+    else:
+        vv = vr + (f(v_first) - vr) * torch.sigmoid(f(p["v0"]) + f(v_lora))
+    kk = torch.nn.functional.normalize((kr * f(p["k_k"])).view(T, n_head, -1), dim=-1).view(T, C)
+    k2 = kr * (1 + (iclr - 1) * f(p["k_a"]))
+    log_decay = -DECAY_SCALE * torch.sigmoid(f(p["w0"]) + f(w_lora))
+    bonus = (f(r) * k2 * f(p["r_k"]).view(C)).view(T, n_head, -1).sum(-1)
+    return (*(t.to(r.dtype) for t in (log_decay, k2, vv, -kk, kk * iclr)), bonus)
+
+
+def prefill_mix_out_ref(o, v, bonus, g, p: dict, eps: float) -> torch.Tensor:
+    T, C = v.shape
+    H = bonus.shape[1]
+    y = torch.nn.functional.group_norm(o.reshape(T, C).float(), H, p["ln_x.weight"].float(), p["ln_x.bias"].float(),
+                                       eps=eps)
+    bonus_v = (bonus[..., None] * v.float().view(T, H, -1)).view(T, C)
+    return ((y + bonus_v) * g.float()).to(v.dtype)
+
+
+@triton.jit
+def _prefill_ln_shift_mix_kernel(x, ln_w, ln_b, shift, prev_slot, end_seq, mix, out, new_shift, T, eps,
+                                 C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """One token of a packed prefill: LayerNorm of it and of its predecessor (or, for a sequence's first
+    token, the slot's shift state), the K mixes; a sequence's last token leaves its normalized row in
+    ``new_shift[seq]`` (written to the pool after the launch: first and last tokens race otherwise)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < C
+    w = tl.load(ln_w + offs, mask=mask).to(tl.float32)
+    bias = tl.load(ln_b + offs, mask=mask).to(tl.float32)
+    xf = tl.load(x + t * C + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(xf, axis=0) / C
+    d = tl.where(mask, xf - mean, 0.0)
+    xb = (d / tl.sqrt(tl.sum(d * d, axis=0) / C + eps) * w + bias).to(x.dtype.element_ty)
+    pslot = tl.load(prev_slot + t).to(tl.int64)
+    if pslot >= 0:  # first token of its sequence
+        prev = tl.load(shift + pslot * C + offs, mask=mask).to(x.dtype.element_ty)
+    else:
+        pf = tl.load(x + (t - 1) * C + offs, mask=mask, other=0.0).to(tl.float32)
+        pmean = tl.sum(pf, axis=0) / C
+        pd = tl.where(mask, pf - pmean, 0.0)
+        prev = (pd / tl.sqrt(tl.sum(pd * pd, axis=0) / C + eps) * w + bias).to(x.dtype.element_ty)
+    seq = tl.load(end_seq + t).to(tl.int64)
+    if seq >= 0:  # last token of its sequence
+        tl.store(new_shift + seq * C + offs, xb.to(new_shift.dtype.element_ty), mask=mask)
+    xf = xb.to(tl.float32)
+    delta = prev.to(tl.float32) - xf
+    for j in tl.static_range(K):
+        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
+        tl.store(out + (j * T + t) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
+
+
+def prefill_ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor,
+                         slots: torch.Tensor, prev_slot: torch.Tensor, end_seq: torch.Tensor, mix: torch.Tensor,
+                         eps: float = 1e-5) -> torch.Tensor:
+    """Packed prefill: ``xx = LayerNorm(x)``; ``out[j, t] = xx[t] + (prev_t - xx[t]) * mix[j]`` where ``prev_t``
+    is ``xx[t-1]`` inside a sequence and ``shift[prev_slot[t]]`` at its start; then each sequence's slot
+    takes its last ``xx``. ``prev_slot[t]``: the slot at a first token, else -1; ``end_seq[t]``: the
+    sequence index at a last token, else -1; ``slots[s]``: sequence s's slot."""
+    T, C = x.shape
+    BLOCK = triton.next_power_of_2(C)
+    out = torch.empty(mix.shape[0], T, C, dtype=x.dtype, device=x.device)
+    new_shift = torch.empty(len(slots), C, dtype=shift.dtype, device=x.device)
+    _prefill_ln_shift_mix_kernel[(T,)](x, ln[0], ln[1], shift, prev_slot, end_seq, mix, out, new_shift, T, eps,
+                                       C=C, K=mix.shape[0], BLOCK=BLOCK, num_warps=8 if BLOCK >= 2048 else 4)
+    shift[slots] = new_shift
+    return out
+
+
+def prefill_ln_shift_mix_ref(x, ln, shift, slots, starts, ends, mix, eps: float = 1e-5):
+    xx = torch.nn.functional.layer_norm(x, (x.shape[1],), *ln, eps=eps)
+    prev = torch.roll(xx, 1, 0)
+    prev[starts] = shift[slots].to(xx.dtype)
+    shift[slots] = xx[ends].to(shift.dtype)
+    return (xx.float()[None] + (prev.float() - xx.float())[None] * mix.float()[:, None, :]).to(x.dtype)

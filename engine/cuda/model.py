@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cuda.graphs import DecodeGraphs
-from engine.cuda.kernels import (ACT_LORA, ACT_RELU_SQUARE, DECAY_SCALE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix,
-                                 relu_square_, small_matmul, wkv7_decode)
+from engine.cuda.kernels import (ACT_LORA, ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, prefill_ln_shift_mix,
+                                 prefill_mix_in, prefill_mix_out, relu_square_, small_matmul, wkv7_decode)
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -156,26 +156,20 @@ class CudaRwkv7:
         cu_cpu = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
         cu = cu_cpu.to(device, non_blocking=True)
         tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+        boundaries = torch.full((2, len(tokens)), -1, dtype=torch.int32)  # first token → slot; last → sequence
+        boundaries[0, cu_cpu[:-1]] = torch.tensor(slots, dtype=torch.int32)
+        boundaries[1, cu_cpu[1:] - 1] = torch.arange(len(chunks), dtype=torch.int32)
+        prev_slot, end_seq = boundaries.to(device, non_blocking=True)
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        starts, ends = cu[:-1], cu[1:] - 1
         x = self.emb[tokens]
         v_first = None
         for i, L in enumerate(self.layers):
-            xx = F.layer_norm(x, (self.shape.n_embd,), *L.ln1)
-            mixed = self._prefill_shift_mix(xx, self.pool.att_shift[i], slot_t, starts, ends, L.att_mix)
+            mixed = prefill_ln_shift_mix(x, L.ln1, self.pool.att_shift[i], slot_t, prev_slot, end_seq, L.att_mix)
             att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
             x = x.addmm_(att, L.output.t())
-            xx = F.layer_norm(x, (self.shape.n_embd,), *L.ln2)
-            kx = self._prefill_shift_mix(xx, self.pool.ffn_shift[i], slot_t, starts, ends, L.ffn_mix)[0]
+            kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
             x = x.addmm_(relu_square_(F.linear(kx, L.ffn_key)), L.ffn_value.t())
-        return self._head(F.layer_norm(x[ends], (self.shape.n_embd,), *self.ln_out))
-
-    @staticmethod
-    def _prefill_shift_mix(xx, shift, slots, starts, ends, mix):
-        prev = torch.roll(xx, 1, 0)
-        prev[starts] = shift[slots].to(xx.dtype)
-        shift[slots] = xx[ends].to(shift.dtype)
-        return torch.addcmul(xx[None], (prev - xx)[None], mix[:, None, :])
+        return self._head(F.layer_norm(x[cu[1:] - 1], (self.shape.n_embd,), *self.ln_out))
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
         from fla.ops.rwkv7 import chunk_rwkv7
@@ -187,22 +181,13 @@ class CudaRwkv7:
         lo[0].tanh_()
         lo[3].sigmoid_()
         up = torch.bmm(lo, L.lora_up.transpose(1, 2))
-        p = L.p
-        iclr = torch.sigmoid(p["a0"] + up[1].float())
         if i == 0:
-            v_first = v
-        else:
-            v = v + (v_first - v) * torch.sigmoid(p["v0"] + up[2].float()).to(v.dtype)
-        kk = F.normalize((k.float() * p["k_k"]).view(T, H, N), dim=-1).view(T, C)
-        k2 = k.float() * (1 + (iclr - 1) * p["k_a"])
-        log_decay = -DECAY_SCALE * torch.sigmoid(p["w0"] + up[0].float())
+            v_first = torch.empty_like(v)
+        log_decay, k2, v, a, b, bonus = prefill_mix_in(r, k, v, up[0], up[1], up[2], v_first, L.p, i, H)
         h0 = self.pool.wkv[i][slots].transpose(-1, -2).float().contiguous()  # fla: [N, H, K, V]
-        as_heads = lambda t: t.to(self.dtype).view(1, T, H, N)  # noqa: E731
-        o, h_final = chunk_rwkv7(as_heads(r), as_heads(log_decay), as_heads(k2), as_heads(v), as_heads(-kk),
-                                 as_heads(kk * iclr), scale=1.0, initial_state=h0, output_final_state=True,
+        as_heads = lambda t: t.view(1, T, H, N)  # noqa: E731
+        o, h_final = chunk_rwkv7(as_heads(r), as_heads(log_decay), as_heads(k2), as_heads(v), as_heads(a),
+                                 as_heads(b), scale=1.0, initial_state=h0, output_final_state=True,
                                  cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, lower_bound=DECAY_LOWER_BOUND)
         self.pool.wkv[i][slots] = h_final.transpose(-1, -2).to(self.pool.wkv.dtype)
-        y = F.group_norm(o.view(T, C).float(), H, p["ln_x.weight"], p["ln_x.bias"], eps=self.eps)
-        bonus = ((r.float() * k2 * p["r_k"].view(C)).view(T, H, N).sum(-1, keepdim=True)
-                 * v.float().view(T, H, N)).view(T, C)
-        return ((y + bonus) * up[3].float()).to(self.dtype), v_first
+        return prefill_mix_out(o.view(T, C), v, bonus, up[3], L.p, self.eps), v_first
