@@ -71,33 +71,75 @@ class NoComputeEngine:
         return outs
 
 
-def listen(url: str, rids: list[str], max_tokens: int, ready, received) -> None:
-    """What an API process does: one pub/sub connection subscribed to every request channel."""
-    pubsub = redis.Redis.from_url(url).pubsub()
-    pubsub.subscribe(*[c.out_channel(rid) for rid in rids])
-    for _ in rids:
-        pubsub.get_message(timeout=5)
+def listen(port: int, rids: list[str], ready, report) -> None:
+    """What an API process does, minus the API's own work: one connection subscribed to every request channel.
+
+    A raw socket and hiredis's reader (no redis-py per message) keep the messages as they come; when every
+    final arrived it reports the time of the last one, then checks each request's messages: status first,
+    final last, deltas in between whose concatenated text and token ids are the final result's.
+    """
+    import socket
+
+    import hiredis
+    import orjson
+
+    from worker.redis_io import command
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    reader = hiredis.Reader()
+    for i in range(0, len(rids), 256):
+        sock.sendall(command("SUBSCRIBE", *[c.out_channel(rid) for rid in rids[i:i + 256]]))
+    confirmed = 0
+    while confirmed < len(rids):
+        reader.feed(sock.recv(1 << 16))
+        while (reply := reader.gets()) is not False:
+            confirmed += reply[0] == b"subscribe"
     ready.set()
-    expected = len(rids) * (max_tokens + 2)  # status, deltas, final
-    while received.value < expected:
-        msg = pubsub.get_message(timeout=5)
-        if msg is None:
-            return
-        if msg["type"] == "message":
-            received.value += 1
+    sock.settimeout(30)
+    messages: list[tuple[bytes, bytes]] = []
+    finals = 0
+    final_prefix = b'{"v":%d,"type":"final"' % c.SCHEMA_VERSION
+    try:
+        while finals < len(rids):
+            reader.feed(sock.recv(1 << 20))
+            while (reply := reader.gets()) is not False:
+                messages.append((reply[1], reply[2]))
+                finals += reply[2].startswith(final_prefix)
+    except OSError:  # timed out: report what came
+        pass
+    done = time.monotonic()
+    by_channel: dict[bytes, list[dict]] = {}
+    for channel, data in messages:
+        by_channel.setdefault(channel, []).append(orjson.loads(data))
+    errors, deltas, tokens = [], 0, 0
+    for rid in rids:
+        got = by_channel.get(c.out_channel(rid).encode(), [])
+        kinds = [m["type"] for m in got]
+        if len(got) < 2 or kinds[0] != "status" or kinds[-1] != "final" or set(kinds[1:-1]) - {"delta"}:
+            errors.append(f"{rid}: messages {kinds[:3]}...{kinds[-2:]}")
+            continue
+        final = got[-1]["result"]["choices"][0]
+        parts = [ch for m in got[1:-1] for ch in m["choices"]]
+        deltas += len(got) - 2
+        tokens += sum(len(ch["token_ids"]) for ch in parts)
+        if ("".join(ch["text"] for ch in parts) != final["text"]
+                or [t for ch in parts for t in ch["token_ids"]] != final["token_ids"]):
+            errors.append(f"{rid}: the deltas do not add up to the final result")
+    report.put({"done": done, "messages": len(messages), "delta_messages": deltas, "tokens": tokens,
+                "finals": finals, "errors": errors[:5], "num_errors": len(errors)})
 
 
 def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, appendonly=False) as server:
         r = redis.Redis.from_url(server.url)
         rids = [f"bench-{i}" for i in range(num_seqs)]
-        ready, received = multiprocessing.Event(), multiprocessing.Value("l", 0)
-        listener = multiprocessing.Process(target=listen, args=(server.url, rids, max_tokens, ready, received),
-                                           daemon=True)
+        ready, report = multiprocessing.Event(), multiprocessing.Queue()
+        listener = multiprocessing.Process(target=listen, args=(server.port, rids, ready, report), daemon=True)
         listener.start()  # a separate process, like the API: no GIL shared with the worker
-        ready.wait(30)
+        if not ready.wait(60):
+            raise RuntimeError("the subscriber did not subscribe")
         pipe = r.pipeline(transaction=False)
-        for i, rid in enumerate(rids):
+        for rid in rids:
             req = c.QueuedRequest(id=rid, prompt_token_ids=[1, 2, 3], params={"max_tokens": max_tokens}, stream=True)
             pipe.xadd(req.stream_key, req.encode())
         pipe.execute()
@@ -114,17 +156,20 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
             handover.append(time.perf_counter() - t0 - step_s - (engine.own_s - stub0))
 
         worker._step = timed_step
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         worker.run(burst=True)
-        wall = time.perf_counter() - t0
+        got = report.get(timeout=120)
         listener.join(timeout=30)
-        full = [w for w in writes if w[1] >= num_seqs]  # pipelines carrying a full step of deltas
-        return {"seqs": num_seqs, "steps": len(handover), "wall_s": wall, "messages": received.value,
-                "msgs_per_s": received.value / wall,
-                "handover_ms_p50": 1e3 * statistics.median(handover),
-                "handover_ms_p99": 1e3 * sorted(handover)[int(0.99 * (len(handover) - 1))],
-                "redis_ms_p50": 1e3 * statistics.median(w[2] / w[0] for w in full) if full else float("nan"),
-                "redis_ms_p99": 1e3 * sorted(w[2] / w[0] for w in full)[int(0.99 * (len(full) - 1))] if full else float("nan"),
+        if got["num_errors"] or got["finals"] != num_seqs or got["tokens"] != num_seqs * max_tokens:
+            raise RuntimeError(f"the subscriber did not get every message: {got}")
+        wall = got["done"] - t0  # from the worker's start to the last final at the subscriber
+        full = [w[2] / w[0] for w in writes if w[1] >= num_seqs]  # writes carrying a full step of deltas
+        q = lambda xs, p: 1e3 * sorted(xs)[int(p * (len(xs) - 1))] if xs else float("nan")  # noqa: E731
+        return {"seqs": num_seqs, "steps": len(handover), "wall_s": wall, "messages": got["messages"],
+                "msgs_per_s": got["messages"] / wall, "tokens_per_s": got["tokens"] / wall,
+                "tokens_per_delta": got["tokens"] / got["delta_messages"],
+                "handover_ms_p50": q(handover, 0.5), "handover_ms_p99": q(handover, 0.99),
+                "redis_ms_p50": q(full, 0.5), "redis_ms_p99": q(full, 0.99),
                 "steps_per_write": statistics.mean(w[0] for w in writes)}
 
 

@@ -162,15 +162,28 @@ def request_id_of(fields: dict) -> str | None:
 
 
 # -- outputs: worker → API ----------------------------------------------------------------
-# Published on out_channel(id), one message per request per step:
-#   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "logprobs"}]}
+# Published on out_channel(id), in this order: status, deltas, final.
+#   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "logprobs"?, "finish_reason"?,
+#                                                 "stop_reason"?}]}
+#       At most one entry per index. An entry carries the next one or more tokens of that choice: a worker
+#       publishes one delta per request per Redis write, and a write covers every step since the last one
+#       (one step while Redis keeps up). text and token_ids are those tokens' text and ids, in order; logprobs
+#       (when asked for) one entry per token; finish_reason and stop_reason are set on the choice's last delta.
+#       Concatenating a choice's deltas in order gives the final result's text and token_ids.
 #   {"v":1, "type":"status", "id":..., "status":"running"}
 #   {"v":1, "type":"final", "id":..., "result": <Result dict>}
 #   {"v":1, "type":"mark", "id":..., "token":...}  API-internal sync point (see mark_message); workers never send it
 # Readers skip message types they do not know.
 
-def delta_message(request_id: str, choices: list[dict]) -> bytes:
-    return dumps({"v": SCHEMA_VERSION, "type": "delta", "id": request_id, "choices": choices})
+def delta_head(request_id: str) -> bytes:
+    """A delta message up to its choices array (the worker encodes it once per request)."""
+    return b'{"v":%d,"type":"delta","id":%s,"choices":' % (SCHEMA_VERSION, dumps(request_id))
+
+
+def delta_message(request_id: str, choices: list[dict], head: bytes | None = None) -> bytes:
+    # Formatted rather than one dumps(): orjson's own bytes objects are slow to keep in bulk (a write holds
+    # thousands), a formatted copy is not. Same bytes either way.
+    return b"%s%s}" % (head or delta_head(request_id), dumps(choices))
 
 
 def status_message(request_id: str, status: str) -> bytes:

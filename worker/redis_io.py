@@ -4,8 +4,10 @@ Three daemon threads:
 - reader: XREADGROUP up to the engine's free capacity (interactive first), replays
   this consumer's own pending entries at start, reclaims (XAUTOCLAIM) entries of
   dead workers, keeps this worker's in-flight entries fresh, writes the heartbeat;
-- writer: runs each step's commands (PUBLISH, SET, XACK...) as one pipeline,
-  coalescing steps when Redis is slower than the GPU, retrying across restarts;
+- writer: runs each step's commands (PUBLISH, SET, XACK...) as one MULTI/EXEC,
+  coalescing steps when Redis is slower than the GPU (a request's deltas of those
+  steps become one message), retrying across restarts. It frames the commands as
+  raw RESP itself (redis-py spends ~10 µs of Python per pipelined command);
 - aborts: a pub/sub subscription to the abort channel.
 The main loop only touches queues.
 """
@@ -22,6 +24,8 @@ from typing import Callable
 import redis
 
 from worker import contract as c
+from worker.resp import bulk, command
+from worker.results import logprob_dicts
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +48,53 @@ class IOConfig:
     heartbeat_interval_s: float = 1.0
 
 
-Op = tuple  # (redis method name, *args) applied to a pipeline, e.g. ("publish", channel, data)
+Op = tuple
+"""One command for the writer, run in submission order inside one MULTI/EXEC:
+
+    ("deltas", [(InFlight, SequenceOutput), ...])             one step's outputs to publish/append
+    ("publish", channel, data)                                 PUBLISH
+    ("append", key, data)                                      APPEND
+    ("xack_del", stream, entry_id)                             XACK + XDEL, then the entry is no longer ours
+    ("HSET", key, field, value, ...)                           any other Redis command, verbatim (upper case)
+
+str, bytes, int and float arguments are accepted (floats as repr)."""
 
 # All of a write's PUBLISH and APPEND commands in one script call: one command and one reply instead of
-# thousands (redis-py spends ~10 µs of Python per pipelined command). Single-instance Redis only.
+# thousands. Publishes first, in submission order (a request's status, then its deltas, then its final).
+# Single-instance Redis only.
 PUBLISH_MANY = """
 local n = tonumber(ARGV[1])
 for i = 2, 2 * n, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
 for i = 2 * n + 2, #ARGV, 2 do redis.call('APPEND', ARGV[i], ARGV[i + 1]) end
 return n
 """
+PUBLISH_MANY_BYTES = PUBLISH_MANY.encode()
+MULTI, EXEC = command("MULTI"), command("EXEC")
+
+
+def delta_choice(flight, out) -> dict:
+    """One engine SequenceOutput of ``flight`` as a delta message's choice entry."""
+    choice = {"index": out.index, "text": out.text, "token_ids": out.token_ids}
+    if flight.wants_logprobs and out.logprobs:
+        choice["logprobs"] = logprob_dicts(out.logprobs)
+    if out.finished:
+        choice["finish_reason"], choice["stop_reason"] = out.finish_reason, out.stop_reason
+    return choice
+
+
+def merge_choice(by_index: dict[int, dict], choice: dict) -> None:
+    """Append ``choice`` to the same index's earlier delta: text and token_ids concatenated, logprobs
+    concatenated (one entry per token), finish_reason and stop_reason of the last."""
+    prev = by_index.get(choice["index"])
+    if prev is None:
+        by_index[choice["index"]] = choice
+        return
+    prev["text"] += choice["text"]
+    prev["token_ids"] = prev["token_ids"] + choice["token_ids"]
+    if "logprobs" in choice:
+        prev["logprobs"] = prev.get("logprobs", []) + choice["logprobs"]
+    if "finish_reason" in choice:
+        prev["finish_reason"], prev["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
 
 
 class RedisIO:
@@ -67,15 +108,16 @@ class RedisIO:
         self._outbox: queue.Queue[list[Op]] = queue.Queue()
         self.capacity = 0  # entries the main loop can take now; written by the main loop only
         self.reading = True  # False while draining
-        self.last_read_empty = False  # the last read found both streams empty (burst mode)
+        self.last_read_empty = False  # the last completed read found both streams empty (burst mode)
         self._owned: dict[bytes, str] = {}  # entry id -> stream, read but not yet acknowledged
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unflushed = 0
         self._flushed = threading.Condition()
-        self._publish_many = self.redis.register_script(PUBLISH_MANY)
+        self._conn = None  # the writer thread's own connection
         self._last_write_commands = 0
+        self.read_lock = threading.Lock()  # held by the reader thread while a read may deliver entries
         self.on_write: Callable[[int, int, float], None] | None = None  # (steps, ops, seconds) per pipeline
 
     # -- lifecycle -----------------------------------------------------------------
@@ -92,6 +134,9 @@ class RedisIO:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2.0)
+        if self._conn is not None:
+            self.redis.connection_pool.release(self._conn)
+            self._conn = None
 
     def _ensure_groups(self) -> None:
         for stream in c.STREAMS:
@@ -143,9 +188,6 @@ class RedisIO:
         replayed = False
         while not self._stop.is_set():
             try:
-                if not replayed:
-                    self._replay_own_pending()
-                    replayed = True
                 now = time.monotonic()
                 if now >= next_beat:
                     self._beat()
@@ -153,10 +195,14 @@ class RedisIO:
                 if now >= next_keepalive:
                     self._keep_alive()
                     next_keepalive = now + self.cfg.idle_timeout_s / 4
-                if self.reading and now >= next_reclaim:
-                    self._reclaim()
-                    next_reclaim = now + self.cfg.reclaim_interval_s
-                self._read_new()
+                with self.read_lock:  # what may deliver entries: see settled()
+                    if not replayed:
+                        self._replay_own_pending()
+                        replayed = True
+                    if self.reading and now >= next_reclaim:
+                        self._reclaim()
+                        next_reclaim = now + self.cfg.reclaim_interval_s
+                    self._read_new()
             except redis.RedisError as e:
                 log.warning("redis unavailable; retrying", extra={"worker": self.name, "error": str(e)})
                 self._stop.wait(0.5)
@@ -164,6 +210,17 @@ class RedisIO:
             except Exception:
                 log.exception("reader thread error", extra={"worker": self.name})
                 self._stop.wait(0.5)
+
+    def settled(self) -> bool:
+        """Burst mode: True, and reading stopped, if the streams were found empty and all we read was handed over.
+
+        Waits for a read in flight (up to read_block_ms): it may be about to deliver entries.
+        """
+        with self.read_lock:
+            if self.last_read_empty and self.inbox.empty() and self.num_owned == 0:
+                self.reading = False
+                return True
+            return False
 
     def _want(self) -> int:
         return self.capacity - self.inbox.qsize() if self.reading else 0
@@ -173,7 +230,6 @@ class RedisIO:
         if want <= 0:
             self._stop.wait(0.005)
             return
-        self.last_read_empty = False  # a read is in flight: not idle until it comes back empty
         got = 0
         for stream in c.STREAMS:  # interactive before batch
             if want - got <= 0:
@@ -278,35 +334,13 @@ class RedisIO:
                 self._flushed.notify_all()
 
     def _write(self, batches: list[list[Op]]) -> None:
-        publishes, appends, others = [], [], []
-        for ops in batches:
-            for op in ops:
-                if op[0] == "deltas":  # encoded here, off the step thread
-                    self._encode_deltas(op[1], publishes, appends)
-                elif op[0] == "publish":
-                    publishes += op[1:]
-                elif op[0] == "append":
-                    appends += op[1:]
-                else:
-                    others.append(op)
-        self._last_write_commands = len(publishes) // 2 + len(appends) // 2 + len(others)
+        blob, num_commands, acked = self._encode(batches)
         delay = 0.05
         while True:
             try:
-                pipe = self.redis.pipeline(transaction=True)
-                if publishes or appends:  # deltas first: a request's final comes after its deltas
-                    self._publish_many(args=[len(publishes) // 2, *publishes, *appends], client=pipe)
-                for name, *args in others:
-                    if name == "xack_del":
-                        stream, eid = args
-                        pipe.xack(stream, c.GROUP, eid)
-                        pipe.xdel(stream, eid)
-                    else:
-                        getattr(pipe, name)(*args)
-                pipe.execute()
-                for name, *args in others:
-                    if name == "xack_del":
-                        self.forget(args[1])
+                self._transact(blob, num_commands)
+                for eid in acked:
+                    self.forget(eid)
                 return
             except redis.ConnectionError as e:
                 log.warning("redis write failed; retrying", extra={"worker": self.name, "error": str(e)})
@@ -316,16 +350,90 @@ class RedisIO:
                 log.exception("redis write rejected; dropping this batch", extra={"worker": self.name})
                 return
 
-    @staticmethod
-    def _encode_deltas(deltas: list, publishes: list, appends: list) -> None:
-        """(QueuedRequest, choice deltas) pairs → PUBLISH for streaming requests, APPEND for recorded text."""
-        for req, choices in deltas:
-            if req.stream:
-                publishes += (c.out_channel(req.id), c.delta_message(req.id, choices))
-            if req.record_text:
-                for ch in choices:
-                    if ch["text"]:
-                        appends += (c.text_key(req.id, ch["index"]), ch["text"])
+    def _transact(self, blob: bytes, num_commands: int) -> None:
+        """Send MULTI, ``num_commands`` commands and EXEC (framed in ``blob``); raise the first error."""
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self.redis.connection_pool.get_connection()
+        errors: list[Exception] = []
+        try:
+            conn.send_packed_command([blob])  # (re)connects if needed
+            for _ in range(num_commands + 1):  # +OK for MULTI, +QUEUED for each command
+                try:
+                    conn.read_response()
+                except redis.ResponseError as e:  # the command was rejected: EXEC will abort
+                    errors.append(e)
+            try:
+                results = conn.read_response()
+            except redis.ResponseError as e:
+                raise (errors[0] if errors else e) from None
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: start afresh
+            raise
+        errors = [r for r in results or () if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
+
+    def _encode(self, batches: list[list[Op]]) -> tuple[bytes, int, list[bytes]]:
+        """A write as RESP: MULTI, one PUBLISH_MANY (publishes in order, then appends), the other commands, EXEC.
+
+        Each request gets one delta message per write, published where its first output was
+        (after its status, before its final): the outputs of all the steps the write covers,
+        merged per choice. Returns the bytes, the number of commands between MULTI and EXEC,
+        and the entry ids acknowledged.
+        """
+        steps = sum(op[0] == "deltas" for ops in batches for op in ops)
+        pubs: list = []  # framed (channel, message) pairs, or an InFlight: the slot of its merged deltas
+        merged: dict = {}  # InFlight -> {index: choice}
+        appends: list[bytes] = []
+        cmds: list[bytes] = []
+        acked: list[bytes] = []
+        dumps = c.dumps
+        for ops in batches:
+            for op in ops:
+                name = op[0]
+                if name == "deltas":
+                    for flight, out in op[1]:
+                        if (steps == 1 and flight.request.n == 1 and not out.finished and flight.request.stream
+                                and not (out.logprobs and flight.wants_logprobs)):
+                            # the common case, formatted directly: one token of a one-choice stream
+                            msg = b'%s[{"index":%d,"text":%s,"token_ids":%s}]}' % (
+                                flight.delta_head, out.index, dumps(out.text), dumps(out.token_ids))
+                            pubs.append(b"%s$%d\r\n%s\r\n" % (flight.channel_bulk, len(msg), msg))
+                            if flight.request.record_text and out.text:
+                                appends.append(bulk(c.text_key(flight.id, out.index)) + bulk(out.text))
+                            continue
+                        by_index = merged.get(flight)
+                        if by_index is None:
+                            by_index = merged[flight] = {}
+                            if flight.request.stream:
+                                pubs.append(flight)
+                        merge_choice(by_index, delta_choice(flight, out))
+                elif name == "publish":
+                    pubs.append(bulk(op[1]) + bulk(op[2]))
+                elif name == "xack_del":
+                    _, stream, eid = op
+                    cmds += (command("XACK", stream, c.GROUP, eid), command("XDEL", stream, eid))
+                    acked.append(eid)
+                else:
+                    cmds.append(command(*op))
+        for i, item in enumerate(pubs):
+            if not isinstance(item, bytes):
+                msg = c.delta_message(item.id, list(merged[item].values()), item.delta_head)
+                pubs[i] = b"%s$%d\r\n%s\r\n" % (item.channel_bulk, len(msg), msg)
+        for flight, by_index in merged.items():
+            if flight.request.record_text:
+                appends += [bulk(c.text_key(flight.id, i)) + bulk(ch["text"]) for i, ch in by_index.items() if ch["text"]]
+        num_commands = len(cmds)
+        parts = [MULTI]
+        if pubs or appends:
+            parts.append(b"*%d\r\n$4\r\nEVAL\r\n%s$1\r\n0\r\n%s" % (
+                4 + 2 * (len(pubs) + len(appends)), bulk(PUBLISH_MANY_BYTES), bulk(len(pubs))))
+            num_commands += 1
+        self._last_write_commands = len(pubs) + len(appends) + len(cmds)
+        return b"".join(parts + pubs + appends + cmds + [EXEC]), num_commands, acked
 
     # -- abort subscription --------------------------------------------------------
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from worker import contract as c
 from worker.contract import STATUS_COMPLETED, Choice, QueuedRequest, Result
+from worker.resp import bulk
 
 
 @dataclass(eq=False)  # identity semantics: compared and hashed per object
@@ -22,10 +24,15 @@ class InFlight:
     suppress_tokens: int = 0  # after a retry: tokens already published once
 
     def __post_init__(self) -> None:
-        self.choices = [Choice(index=i) for i in range(self.request.n)]
-        self.text_parts = [[] for _ in range(self.request.n)]
-        self.num_prompt_tokens = len(self.request.prompt_token_ids) or 1
-        self.wants_logprobs = self.request.params.get("logprobs") is not None
+        req = self.request
+        self.choices = [Choice(index=i) for i in range(req.n)]
+        self.text_parts = [[] for _ in range(req.n)]
+        self.num_prompt_tokens = len(req.prompt_token_ids) or 1
+        self.wants_logprobs = req.params.get("logprobs") is not None
+        self.publishes = req.stream or req.record_text  # its outputs go to the writer
+        # read by the writer thread, encoded once here
+        self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
+        self.delta_head = c.delta_head(req.id)
 
     @property
     def id(self) -> str:
@@ -33,27 +40,25 @@ class InFlight:
 
     @property
     def is_done(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return all(ch.finish_reason is not None for ch in self.choices)
 
-    def add(self, out) -> dict | None:
-        """Fold one engine SequenceOutput in; returns the delta to publish (or None). Hot path: keep it lean."""
+    def add(self, out) -> bool:
+        """Fold one engine SequenceOutput in; False if it must not be published (already was, before a retry).
+
+        Hot path (once per sequence per step): keep it lean. The writer thread encodes ``out`` itself.
+        """
         choice = self.choices[out.index]
         if self.first_token is None:
             self.first_token = time.time()
         position = len(choice.token_ids)
         choice.token_ids += out.token_ids
         self.text_parts[out.index].append(out.text)
-        delta = {"index": out.index, "text": out.text, "token_ids": out.token_ids}
         if self.wants_logprobs and out.logprobs:
-            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs]
-            choice.logprobs = (choice.logprobs or []) + logprobs
-            delta["logprobs"] = logprobs
+            choice.logprobs = (choice.logprobs or []) + logprob_dicts(out.logprobs)
         if out.finished:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-            delta["finish_reason"], delta["stop_reason"] = out.finish_reason, out.stop_reason
-        elif position < self.suppress_tokens:
-            return None  # already published before the retry
-        return delta
+            return True
+        return position >= self.suppress_tokens
 
     def result(self, worker: str) -> Result:
         for choice, parts in zip(self.choices, self.text_parts):
@@ -63,7 +68,12 @@ class InFlight:
         return Result(
             id=req.id, status=STATUS_COMPLETED, endpoint=req.endpoint, model=req.model, tenant=req.tenant,
             created=req.created, finished=now, choices=self.choices, prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=sum(len(c.token_ids) for c in self.choices), worker=worker, meta=req.meta,
+            completion_tokens=sum(len(ch.token_ids) for ch in self.choices), worker=worker, meta=req.meta,
             timings={"queued_s": round(self.received - req.created, 6),
                      "ttft_s": round((self.first_token or now) - req.created, 6),
                      "e2e_s": round(now - req.created, 6)})
+
+
+def logprob_dicts(logprobs) -> list[dict]:
+    """engine TokenLogprob entries -> the contract's [{"token_id", "logprob", "top"}]."""
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in logprobs]
