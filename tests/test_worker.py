@@ -235,3 +235,66 @@ def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_pat
     other = start_worker(redis_url, str(tiny_model_path), "other", "--burst", "--idle-timeout", "2")
     assert other.wait(timeout=120) == 0
     assert result(r, "late").status == "completed"
+
+
+def test_coalesced_steps_publish_one_merged_delta_per_request(r, redis_url):
+    """A write covering several steps publishes one delta per request, its outputs merged per choice, after its
+    status and before its final; in order they add up to the result and to the recorded text."""
+    from engine.sequence import SequenceOutput, TokenLogprob
+    from worker.results import InFlight
+
+    def out(rid, index, token, text, finished=False):
+        return SequenceOutput(rid, index, [token], text, [TokenLogprob(token, -0.5, [(token, -0.5)])], finished,
+                              "length" if finished else None)
+
+    pubsub = r.pubsub()
+    pubsub.subscribe(c.out_channel("m"), c.out_channel("one"))
+    for _ in range(2):
+        pubsub.get_message(timeout=1)
+    w = Worker(None, WorkerConfig(redis_url=redis_url, name="merge"))
+    m = c.QueuedRequest(id="m", prompt_token_ids=[1], params={"logprobs": 0}, n=2, stream=True, record_text=True)
+    one = c.QueuedRequest(id="one", prompt_token_ids=[1], params={}, stream=True)
+    start = [op for req in (m, one) for op in (("start", InFlight(req, c.STREAM_INTERACTIVE, b"1-0")),
+                                                ("publish", c.out_channel(req.id), c.status_message(req.id, "running")))]
+    steps = [[out("m", 0, 11, "a"), out("m", 1, 21, "x"), out("one", 0, 5, "p")],
+             [out("m", 1, 22, "y", True), out("m", 0, 12, "b"), out("one", 0, 6, "q")],
+             [out("m", 0, 13, "c", True), out("one", 0, 7, "r")],
+             [out("one", 0, 8, "s", True)]]
+    w.io._write([start] + [[("outputs", step, time.time())] for step in steps[:2]])  # two steps, one write
+    for step in steps[2:]:
+        w.io._write([[("outputs", step, time.time())]])
+    got = {"m": [], "one": []}
+    while (msg := pubsub.get_message(timeout=1)) is not None:
+        if msg["type"] == "message":
+            body = orjson.loads(msg["data"])
+            got[body["id"]].append(body)
+
+    assert [b["type"] for b in got["m"]] == ["status", "delta", "delta", "final"]
+    assert [b["type"] for b in got["one"]] == ["status", "delta", "delta", "delta", "final"]
+    merged = {ch["index"]: ch for ch in got["m"][1]["choices"]}
+    assert len(got["m"][1]["choices"]) == 2  # one entry per choice
+    assert (merged[0]["text"], merged[0]["token_ids"], len(merged[0]["logprobs"])) == ("ab", [11, 12], 2)
+    assert (merged[1]["text"], merged[1]["token_ids"], merged[1]["finish_reason"]) == ("xy", [21, 22], "length")
+    assert "finish_reason" not in merged[0]
+    assert [ch["text"] for b in got["one"][1:-1] for ch in b["choices"]] == ["pq", "r", "s"]
+    for rid, n in (("m", 2), ("one", 1)):
+        final = got[rid][-1]["result"]
+        assert final == orjson.loads(r.get(c.result_key(rid)))
+        for index in range(n):
+            deltas = [ch for b in got[rid][1:-1] for ch in b["choices"] if ch["index"] == index]
+            assert "".join(ch["text"] for ch in deltas) == final["choices"][index]["text"]
+            assert [t for ch in deltas for t in ch["token_ids"]] == final["choices"][index]["token_ids"]
+            assert deltas[-1]["finish_reason"] == final["choices"][index]["finish_reason"] == "length"
+    assert final["choices"][0]["text"] == "pqrs"
+    assert [r.get(c.text_key("m", i)) for i in range(2)] == [b"abc", b"xy"]
+
+
+def test_burst_worker_exits_as_soon_as_the_streams_are_empty(r, redis_url):
+    from worker.bench import NoComputeEngine
+    for i in range(8):
+        submit(r, f"b{i}", prompt(i), max_tokens=3)
+    w = Worker(NoComputeEngine(4), WorkerConfig(redis_url=redis_url, name="burst"))
+    t0 = time.monotonic()
+    w.run(burst=True)
+    assert time.monotonic() - t0 < 3.0  # not a reader's blocking read nor a socket timeout later
+    assert all(res.completion_tokens == 3 for res in wait_results(r, [f"b{i}" for i in range(8)], 5).values())

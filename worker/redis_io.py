@@ -51,11 +51,16 @@ class IOConfig:
 Op = tuple
 """One command for the writer, run in submission order inside one MULTI/EXEC:
 
-    ("deltas", [(InFlight, SequenceOutput), ...])             one step's outputs to publish/append
-    ("publish", channel, data)                                 PUBLISH
-    ("append", key, data)                                      APPEND
-    ("xack_del", stream, entry_id)                             XACK + XDEL, then the entry is no longer ours
-    ("HSET", key, field, value, ...)                           any other Redis command, verbatim (upper case)
+    ("start", InFlight)                        a request now runs: the writer folds its outputs in from now on
+    ("outputs", [SequenceOutput, ...], time)   one engine step's outputs (at wall-clock time): the writer folds
+                                               them into their requests, publishes/appends the deltas, and
+                                               writes the result of each request they finish (RedisIO.end_ops)
+    ("end", InFlight, terminal)                the step thread ended a running request (cancel, deadline):
+                                               its terminal result, with what it generated (RedisIO.end_ops);
+                                               terminal None: drop it without a result (dead-lettered)
+    ("publish", channel, data)                 PUBLISH
+    ("xack_del", stream, entry_id)             XACK + XDEL, then the entry is no longer ours
+    ("HSET", key, field, value, ...)           any other Redis command, verbatim (upper case)
 
 str, bytes, int and float arguments are accepted (floats as repr)."""
 
@@ -116,6 +121,9 @@ class RedisIO:
         self._unflushed = 0
         self._flushed = threading.Condition()
         self._conn = None  # the writer thread's own connection
+        self._flights: dict = {}  # request id -> InFlight, running requests (writer thread only)
+        # (InFlight, terminal) -> the ops that write its result; set by the Worker; runs on the writer thread
+        self.end_ops: Callable[[object, tuple | None], list[Op]] = lambda flight, terminal: []
         self._last_write_commands = 0
         self.read_lock = threading.Lock()  # held by the reader thread while a read may deliver entries
         self.on_write: Callable[[int, int, float], None] | None = None  # (steps, ops, seconds) per pipeline
@@ -326,7 +334,10 @@ class RedisIO:
                 except queue.Empty:
                     break
             t0 = time.perf_counter()
-            self._write(batches)
+            try:
+                self._write(batches)
+            except Exception:  # a bug here must not stop the writer (and with it every request)
+                log.exception("redis write failed to encode; dropping this batch", extra={"worker": self.name})
             if self.on_write is not None:
                 self.on_write(len(batches), self._last_write_commands, time.perf_counter() - t0)
             with self._flushed:
@@ -384,41 +395,68 @@ class RedisIO:
         merged per choice. Returns the bytes, the number of commands between MULTI and EXEC,
         and the entry ids acknowledged.
         """
-        steps = sum(op[0] == "deltas" for ops in batches for op in ops)
+        steps = sum(op[0] == "outputs" for ops in batches for op in ops)
         pubs: list = []  # framed (channel, message) pairs, or an InFlight: the slot of its merged deltas
         merged: dict = {}  # InFlight -> {index: choice}
         appends: list[bytes] = []
         cmds: list[bytes] = []
         acked: list[bytes] = []
+        flights = self._flights
         dumps = c.dumps
+
+        def run(op: Op) -> None:
+            name = op[0]
+            if name == "publish":
+                pubs.append(bulk(op[1]) + bulk(op[2]))
+            elif name == "xack_del":
+                _, stream, eid = op
+                cmds.extend((command("XACK", stream, c.GROUP, eid), command("XDEL", stream, eid)))
+                acked.append(eid)
+            elif name == "start":
+                flights[op[1].id] = op[1]
+            elif name == "end":
+                if flights.get(op[1].id) is op[1]:  # else it finished first: its result is on its way
+                    del flights[op[1].id]
+                    if op[2] is not None:
+                        for final in self.end_ops(op[1], op[2]):
+                            run(final)
+            else:
+                cmds.append(command(*op))
+
         for ops in batches:
             for op in ops:
-                name = op[0]
-                if name == "deltas":
-                    for flight, out in op[1]:
-                        if (steps == 1 and flight.request.n == 1 and not out.finished and flight.request.stream
+                if op[0] != "outputs":
+                    run(op)
+                    continue
+                done = []
+                now = op[2]
+                for out in op[1]:
+                    flight = flights.get(out.request_id)
+                    if flight is None:  # ended (cancelled, expired) while this step ran
+                        continue
+                    if flight.add(out, now) and flight.publishes:
+                        req = flight.request
+                        if (steps == 1 and req.stream and req.n == 1 and not out.finished
                                 and not (out.logprobs and flight.wants_logprobs)):
-                            # the common case, formatted directly: one token of a one-choice stream
+                            # the common case, formatted directly: one step of a one-choice stream
                             msg = b'%s[{"index":%d,"text":%s,"token_ids":%s}]}' % (
                                 flight.delta_head, out.index, dumps(out.text), dumps(out.token_ids))
                             pubs.append(b"%s$%d\r\n%s\r\n" % (flight.channel_bulk, len(msg), msg))
-                            if flight.request.record_text and out.text:
+                            if req.record_text and out.text:
                                 appends.append(bulk(c.text_key(flight.id, out.index)) + bulk(out.text))
-                            continue
-                        by_index = merged.get(flight)
-                        if by_index is None:
-                            by_index = merged[flight] = {}
-                            if flight.request.stream:
-                                pubs.append(flight)
-                        merge_choice(by_index, delta_choice(flight, out))
-                elif name == "publish":
-                    pubs.append(bulk(op[1]) + bulk(op[2]))
-                elif name == "xack_del":
-                    _, stream, eid = op
-                    cmds += (command("XACK", stream, c.GROUP, eid), command("XDEL", stream, eid))
-                    acked.append(eid)
-                else:
-                    cmds.append(command(*op))
+                        else:
+                            by_index = merged.get(flight)
+                            if by_index is None:
+                                by_index = merged[flight] = {}
+                                if req.stream:
+                                    pubs.append(flight)
+                            merge_choice(by_index, delta_choice(flight, out))
+                    if out.finished and flight.is_done:
+                        done.append(flight)
+                for flight in done:  # after its deltas
+                    del flights[flight.id]
+                    for final in self.end_ops(flight, None):
+                        run(final)
         for i, item in enumerate(pubs):
             if not isinstance(item, bytes):
                 msg = c.delta_message(item.id, list(merged[item].values()), item.delta_head)

@@ -22,6 +22,8 @@ class InFlight:
     text_parts: list[list[str]] = field(init=False)
     num_prompt_tokens: int = 0
     suppress_tokens: int = 0  # after a retry: tokens already published once
+    # Threads: the step thread creates it and counts ``unfinished`` down; once handed to the writer thread
+    # (a "start" op) only the writer folds outputs in and reads them (see RedisIO), until it ends the request.
 
     def __post_init__(self) -> None:
         req = self.request
@@ -29,7 +31,8 @@ class InFlight:
         self.text_parts = [[] for _ in range(req.n)]
         self.num_prompt_tokens = len(req.prompt_token_ids) or 1
         self.wants_logprobs = req.params.get("logprobs") is not None
-        self.publishes = req.stream or req.record_text  # its outputs go to the writer
+        self.unfinished = req.n  # choices the engine has not finished (step thread only)
+        self.publishes = req.stream or req.record_text  # its outputs are published or appended
         # read by the writer thread, encoded once here
         self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
         self.delta_head = c.delta_head(req.id)
@@ -42,14 +45,12 @@ class InFlight:
     def is_done(self) -> bool:
         return all(ch.finish_reason is not None for ch in self.choices)
 
-    def add(self, out) -> bool:
-        """Fold one engine SequenceOutput in; False if it must not be published (already was, before a retry).
-
-        Hot path (once per sequence per step): keep it lean. The writer thread encodes ``out`` itself.
-        """
+    def add(self, out, now: float) -> bool:
+        """Fold one engine SequenceOutput of the step at ``now`` in; False if it must not be published (it
+        already was, before a retry). Hot path (once per sequence per step): keep it lean."""
         choice = self.choices[out.index]
         if self.first_token is None:
-            self.first_token = time.time()
+            self.first_token = now
         position = len(choice.token_ids)
         choice.token_ids += out.token_ids
         self.text_parts[out.index].append(out.text)

@@ -51,6 +51,7 @@ class Worker:
         self.device = device
         self.model_name = model_name
         self.io = RedisIO(cfg.redis_url, cfg.name, IOConfig(idle_timeout_s=cfg.idle_timeout_s), self._heartbeat)
+        self.io.end_ops = self._end_ops
         self.inflight: dict[str, InFlight] = {}
         self.started = time.time()
         self.draining = False
@@ -201,7 +202,7 @@ class Worker:
             self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), req.id, f"invalid request: {e}", req)
             return False
         self.inflight[req.id] = flight
-        ops: list[Op] = [("HSET", c.request_key(req.id), "status", c.STATUS_RUNNING, "worker", self.cfg.name,
+        ops: list[Op] = [("start", flight), ("HSET", c.request_key(req.id), "status", c.STATUS_RUNNING, "worker", self.cfg.name,
                           "started", time.time())]
         if req.stream or req.record_text:
             ops.append(("publish", c.out_channel(req.id), c.status_message(req.id, c.STATUS_RUNNING)))
@@ -243,27 +244,38 @@ class Worker:
             self._on_step_failure(e)
             return
         self._under_test = None
-        published: list = []  # (InFlight, SequenceOutput): encoded on the writer thread
-        finished: list[InFlight] = []
-        get = self.inflight.get
+        # The writer thread folds the outputs into their requests and encodes them; here only what the
+        # loop itself needs: which requests the engine finished.
+        if outputs:
+            self.io.submit([("outputs", outputs, time.time())])
+        inflight = self.inflight
         for out in outputs:
-            flight = get(out.request_id)
-            if flight is None:
-                continue
-            if flight.add(out) and flight.publishes:
-                published.append((flight, out))
-            if out.finished and flight.is_done:
-                finished.append(flight)
-        ops: list[Op] = [("deltas", published)] if published else []
-        for flight in finished:
-            self.inflight.pop(flight.id, None)
-            ops += self._final_ops(flight.stream, flight.entry_id, flight.result(self.cfg.name))
-        self.io.submit(ops)
+            if out.finished:
+                flight = inflight.get(out.request_id)
+                if flight is not None:
+                    flight.unfinished -= 1
+                    if flight.unfinished == 0:
+                        del inflight[out.request_id]
         dt = time.perf_counter() - t0
         if outputs and dt > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)
         if self.metrics is not None:
             self.metrics.on_step(dt, len(outputs), self.engine.num_running, self.engine.num_free_slots)
+
+    def _end_ops(self, flight: InFlight, terminal: tuple | None) -> list[Op]:
+        """Writer thread: the ops that write a running request's result, once its outputs are all folded in.
+
+        ``terminal``: None when the engine finished it, else (status, message, code) of a cancel or expiry
+        (the result keeps what was generated).
+        """
+        result = flight.result(self.cfg.name)
+        if terminal is not None:
+            status, message, code = terminal
+            partial, result = result, c.error_result(flight.id, status, message, code, worker=self.cfg.name,
+                                                     queued=flight.request)
+            result.choices, result.completion_tokens = partial.choices, partial.completion_tokens
+            result.prompt_tokens = partial.prompt_tokens
+        return self._final_ops(flight.stream, flight.entry_id, result)
 
     def _final_ops(self, stream: str, entry_id: bytes, result: c.Result) -> list[Op]:
         data = result.encode()
@@ -280,12 +292,11 @@ class Worker:
 
     def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
                          code: str, flight: InFlight | None = None) -> None:
-        result = c.error_result(req.id, status, message, code, worker=self.cfg.name, queued=req)
-        if flight is not None:  # keep what was generated before the cancel
-            partial = flight.result(self.cfg.name)
-            result.choices, result.completion_tokens = partial.choices, partial.completion_tokens
-            result.prompt_tokens = partial.prompt_tokens
         log.info("request ended", extra={"request_id": req.id, "status": status, "reason": message})
+        if flight is not None:  # running: the writer writes the result once it folded in what was generated
+            self.io.submit([("end", flight, (status, message, code))])
+            return
+        result = c.error_result(req.id, status, message, code, worker=self.cfg.name, queued=req)
         self.io.submit(self._final_ops(stream, entry_id, result))
 
     def _dead_letter(self, item: Incoming, rid: str | None, reason: str, req: c.QueuedRequest | None = None) -> None:
@@ -308,12 +319,14 @@ class Worker:
             culprit = self.inflight.pop(self._under_test)
             log.exception("request made the engine fail", extra={"request_id": culprit.id})
             self.engine.abort(culprit.id)
+            self.io.submit([("end", culprit, None)])
             self._dead_letter(Incoming(culprit.stream, culprit.entry_id, None, 0), culprit.id,
                               f"the engine failed on this request: {error!r}", culprit.request)
         else:
             log.exception("engine step failed; isolating its requests",
                           extra={"worker": self.cfg.name, "requests": len(self.inflight)})
         self._under_test = None
+        self.io.flush()  # the writer has folded in every output so far: what each request has published
         for rid, flight in list(self.inflight.items()):
             self.engine.abort(rid)
             flight.suppress_tokens = max(len(ch.token_ids) for ch in flight.choices)
