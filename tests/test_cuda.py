@@ -151,7 +151,8 @@ def test_hf_layout_matches_fla_model(tmp_path):
     from engine.weights import load_model
     path = write_demo_model(tmp_path / "hf", layers=2, width=256, vocab=1024, seed=4, fmt="hf")
     # bf16: fla's chunked delta-rule kernels warn against fp32 and spend minutes autotuning it
-    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(DEVICE).eval()
+    # fuse_norm=False: torch LayerNorms, fewer of fla's Triton kernels to compile (the test spent minutes compiling)
+    theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, fuse_norm=False).to(DEVICE).eval()
     prompt = list(range(3, 67))
     with torch.no_grad():
         expected = theirs(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
