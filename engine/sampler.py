@@ -43,6 +43,9 @@ _GOLDEN = 0x9E3779B9
 _SEED_SALT = 0x5BD1E995
 _COUNTER_SALT = 0x68E31DA4
 _VOCAB_SALT = 0x1B56C4E9
+# top_k/top_p look at this many largest logits per row first (a full sort of 65,536 only where the
+# nucleus is wider).
+TOP_CANDIDATES = 1024
 # Largest float32 below 1: keeps -log1p(-v) finite.
 _V_MAX = 1.0 - 2.0 ** -24
 
@@ -69,9 +72,10 @@ def vocab_keys(vocab_size: int, device: torch.device | str = "cpu") -> torch.Ten
 
 
 def counter_hash(keys: torch.Tensor, counters: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
-    """32-bit hash of (seed key, counter, vocab id): keys, counters [B]; vocab [V] -> [B, V]."""
+    """32-bit hash of (seed key, counter, vocab id): keys, counters [B]; vocab keys [V] (or per row [B, K])
+    -> [B, V] (or [B, K])."""
     row = mix32(keys ^ mix32((counters + _COUNTER_SALT) & _MASK32))
-    return mix32(row.unsqueeze(1) ^ vocab.unsqueeze(0))
+    return mix32(row.unsqueeze(1) ^ (vocab if vocab.dim() == 2 else vocab.unsqueeze(0)))
 
 
 def exponential_noise(keys: torch.Tensor, counters: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -274,13 +278,50 @@ class Sampler:
             # p < min_p * p_max  <=>  logit < logit_max + log(min_p)  (no softmax needed)
             floor = scaled.amax(dim=1, keepdim=True) + torch.log(self._min_p[slots]).unsqueeze(1)
             scaled = scaled.masked_fill(scaled < floor, -math.inf)
-        if f["top_p"]:
-            scaled = self._top_k_top_p_sorted(scaled, slots)
-        elif f["top_k"]:
-            scaled = self._top_k_only(scaled, slots, int(f["max_top_k"]))
+        if not (f["top_p"] or f["top_k"]):
+            return self._race(scaled, slots)
+        tokens, complete = self._sample_candidates(scaled, slots)
+        if not bool(complete.all()):  # a nucleus wider than the candidates (or ties at its edge): sort those rows
+            rows = (~complete).nonzero().squeeze(1)
+            sub, sub_slots = scaled[rows], slots[rows]
+            if f["top_p"]:
+                sub = self._top_k_top_p_sorted(sub, sub_slots)
+            else:
+                sub = self._top_k_only(sub, sub_slots, int(f["max_top_k"]))
+            tokens[rows] = self._race(sub, sub_slots)
+        return tokens
+
+    def _race(self, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         noise = self._noise(self._seed_key[slots], self._generated[slots], self._vocab_keys)
         # argmax p_i / E_i  ==  argmax (logit_i / T - log E_i); masked tokens stay -inf.
         return (scaled - torch.log(noise)).argmax(dim=1)
+
+    def _sample_candidates(self, scaled: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """top_k/top_p on the row's ``TOP_CANDIDATES`` largest logits instead of a full sort, and the race run
+        on those candidates only (the counter hash gives each vocabulary id the same noise either way).
+        Returns (tokens, complete): a row is complete when every token its top_k/top_p keep — ties at the
+        threshold included — is a candidate; the caller re-samples the others with the full sort."""
+        v = scaled.shape[1]
+        n = min(v, TOP_CANDIDATES)
+        raw, ids = scaled.topk(n, dim=1)  # sorted, descending
+        k = self._top_k[slots]
+        k = torch.where(k > 0, k.clamp(max=v), v)
+        pos = torch.arange(n, device=scaled.device).unsqueeze(0)
+        vals = raw.masked_fill(pos >= k.unsqueeze(1), -math.inf)
+        # probabilities over what top_k allows: the candidates when k <= n, else the whole row
+        log_z = torch.where(k <= n, torch.logsumexp(vals, dim=1), torch.logsumexp(scaled, dim=1))
+        probs = torch.exp(vals - log_z.unsqueeze(1))
+        before = probs.cumsum(dim=1) - probs  # mass strictly ahead of each position
+        top_p = self._top_p[slots].unsqueeze(1)
+        keep = ((before < top_p) | (top_p >= 1.0)) & (vals > -math.inf)
+        n_keep = keep.sum(dim=1, keepdim=True).clamp(min=1)
+        threshold = vals.gather(1, n_keep - 1)
+        complete = (raw[:, -1:] < threshold).squeeze(1) & ((k <= n) | (k == v))
+        if n == v:
+            complete = torch.ones_like(complete)
+        noise = self._noise(self._seed_key[slots], self._generated[slots], self._vocab_keys[ids])
+        race = raw.masked_fill(raw < threshold, -math.inf) - torch.log(noise)
+        return ids.gather(1, race.argmax(dim=1, keepdim=True)).squeeze(1), complete
 
     def _top_k_top_p_sorted(self, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Full sort: top_k, then top_p on the renormalised remainder (as vLLM)."""

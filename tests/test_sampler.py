@@ -446,3 +446,39 @@ def test_copy_slot_forks_params_and_counts_with_a_new_seed() -> None:
         assert tokens[1] in allowed  # the fork keeps top_k
     assert streams[0] == streams[2]
     assert streams[0] != streams[1]
+
+
+@pytest.mark.parametrize("candidates", [16, 1024])
+def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
+    """top_k/top_p on the largest logits first (falling back to the full sort for rows whose nucleus is wider)
+    picks exactly the token the full sort + race over the whole vocabulary picks, and only allowed tokens."""
+    import engine.sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", candidates)
+    vocab = 4096
+    params = [SamplingParams(temperature=1.0, top_p=0.9),  # scale 0.5 below: a wide nucleus
+              SamplingParams(temperature=0.7, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=1.3, top_k=40, top_p=0.95),
+              SamplingParams(temperature=1.0, top_k=2000),  # more than the candidates, fewer than the vocabulary
+              SamplingParams(temperature=1.0, top_p=0.3, min_p=0.05),
+              SamplingParams(temperature=0.9)]  # neither: the whole row
+    sampler = Sampler(len(params), vocab)
+    for slot, p in enumerate(params):
+        sampler.reset_slot(slot, p, seed=1000 + slot, prompt_token_ids=[1])
+    slots = torch.arange(len(params))
+    fallbacks = 0
+    for step in range(6):
+        logits = random_logits(len(params), vocab, seed=900 + step)
+        logits[0] *= 0.5 / 3.0
+        temperature = sampler._temperature[slots].unsqueeze(1)
+        scaled = logits / temperature
+        floor = scaled.amax(1, keepdim=True) + torch.log(sampler._min_p[slots].clamp(min=1e-30)).unsqueeze(1)
+        scaled = scaled.masked_fill(scaled < floor, -math.inf)
+        want = sampler._race(sampler._top_k_top_p_sorted(scaled, slots), slots)
+        fallbacks += int((~sampler._sample_candidates(scaled, slots)[1]).sum())
+        got = sampler.sample(logits, slots).token_ids
+        assert got == want.tolist(), (step, got, want.tolist())
+        for row, (tok, p) in enumerate(zip(got, params)):
+            assert tok in allowed_tokens(logits[row], p), (step, row)
+    if candidates == 16:
+        assert fallbacks > 0  # the wide rows did take the full-sort path
