@@ -298,3 +298,33 @@ def test_burst_worker_exits_as_soon_as_the_streams_are_empty(r, redis_url):
     w.run(burst=True)
     assert time.monotonic() - t0 < 3.0  # not a reader's blocking read nor a socket timeout later
     assert all(res.completion_tokens == 3 for res in wait_results(r, [f"b{i}" for i in range(8)], 5).values())
+
+
+def test_a_write_whose_connection_dropped_is_retried_and_its_deltas_sent_at_most_once(r, redis_url, caplog):
+    from engine.sequence import SequenceOutput
+    from worker.results import InFlight
+
+    pubsub = r.pubsub()
+    pubsub.subscribe(c.out_channel("x"))
+    pubsub.get_message(timeout=1)
+    w = Worker(None, WorkerConfig(redis_url=redis_url, name="retry"))
+    req = c.QueuedRequest(id="x", prompt_token_ids=[1], params={}, stream=True)
+    r.xadd(req.stream_key, req.encode())
+    r.xgroup_create(req.stream_key, c.GROUP, id="0")
+    entry_id = r.xreadgroup(c.GROUP, "retry", {req.stream_key: ">"})[0][1][0][0]
+    w.io._write([[("start", InFlight(req, req.stream_key, entry_id)),
+                  ("publish", c.out_channel("x"), c.status_message("x", "running"))],
+                 [("outputs", [SequenceOutput("x", 0, [5], "a", None, False)], time.time())]])
+    assert r.client_kill_filter(_type="normal", skipme=True) >= 1  # the writer's connection
+    w.io._write([[("outputs", [SequenceOutput("x", 0, [6], "b", None, False)], time.time())],
+                 [("outputs", [SequenceOutput("x", 0, [7], "c", None, True, "length")], time.time())]])
+    kinds, texts = [], []
+    while (msg := pubsub.get_message(timeout=1)) is not None:
+        if msg["type"] == "message":
+            body = orjson.loads(msg["data"])
+            kinds.append(body["type"])
+            texts += [ch["text"] for ch in body.get("choices", [])]
+    assert kinds[0] == "status" and kinds[-1] == "final" and texts[0] == "a" and texts.count("bc") <= 1
+    assert result(r, "x").choices[0].text == "abc"  # the transaction was retried on a new connection
+    assert any("retrying" in rec.getMessage() for rec in caplog.records)
+    assert r.xlen(req.stream_key) == 0 and pending_count(r) == 0

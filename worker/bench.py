@@ -26,12 +26,16 @@ from worker.worker import Worker, WorkerConfig
 
 
 class NoComputeEngine:
-    """The LLMEngine surface the Worker uses; each step 'generates' one token for every running sequence."""
+    """The LLMEngine surface the Worker uses; each step 'generates' one token for every running sequence.
+
+    It costs next to nothing itself: a running sequence's output is one shared object, the same token
+    every step (the worker only reads outputs), and only the last step of a sequence makes a new one.
+    """
 
     def __init__(self, num_slots: int, step_s: float = 0.0):
         self.num_slots = num_slots
         self.step_s = step_s
-        self.running: dict[str, list] = {}  # id -> [max_tokens, generated, prompt_tokens]
+        self.running: dict[str, list] = {}  # id -> [max_tokens, generated, prompt_tokens, output]
         self.own_s = 0.0
 
     @property
@@ -50,7 +54,9 @@ class NoComputeEngine:
         return bool(self.running)
 
     def add(self, request) -> None:
-        self.running[request.request_id] = [request.params.max_tokens, 0, len(request.prompt_token_ids)]
+        rid, prompt = request.request_id, len(request.prompt_token_ids)
+        self.running[rid] = [request.params.max_tokens, 0, prompt,
+                             SequenceOutput(rid, 0, [42], " tok", None, False, num_prompt_tokens=prompt)]
 
     def abort(self, request_id: str) -> bool:
         return self.running.pop(request_id, None) is not None
@@ -62,10 +68,11 @@ class NoComputeEngine:
         outs = []
         for rid, state in list(self.running.items()):
             state[1] += 1
-            done = state[1] >= state[0]
-            outs.append(SequenceOutput(rid, 0, [42], " tok", None, done, "length" if done else None,
-                                       num_prompt_tokens=state[2], num_output_tokens=state[1]))
-            if done:
+            if state[1] < state[0]:
+                outs.append(state[3])
+            else:
+                outs.append(SequenceOutput(rid, 0, [42], " tok", None, True, "length", num_prompt_tokens=state[2],
+                                           num_output_tokens=state[1]))
                 del self.running[rid]
         self.own_s += time.perf_counter() - t0  # the stub's own Python time, excluded from the hand-over
         return outs
@@ -74,16 +81,17 @@ class NoComputeEngine:
 def listen(port: int, rids: list[str], ready, report) -> None:
     """What an API process does, minus the API's own work: one connection subscribed to every request channel.
 
-    A raw socket and hiredis's reader (no redis-py per message) keep the messages as they come; when every
-    final arrived it reports the time of the last one, then checks each request's messages: status first,
-    final last, deltas in between whose concatenated text and token ids are the final result's.
+    While the worker runs it only keeps the bytes (recv, and a count of the finals in them), so that it
+    costs next to nothing; once every final arrived it reports the time of the last one, then parses the
+    messages (hiredis) and checks each request's: status first, final last, deltas in between whose
+    concatenated text and token ids are the final result's.
     """
     import socket
 
     import hiredis
     import orjson
 
-    from worker.redis_io import command
+    from worker.resp import command
 
     sock = socket.create_connection(("127.0.0.1", port))
     reader = hiredis.Reader()
@@ -95,22 +103,28 @@ def listen(port: int, rids: list[str], ready, report) -> None:
         while (reply := reader.gets()) is not False:
             confirmed += reply[0] == b"subscribe"
     ready.set()
+    cpu0 = time.process_time()
     sock.settimeout(30)
-    messages: list[tuple[bytes, bytes]] = []
-    finals = 0
-    final_prefix = b'{"v":%d,"type":"final"' % c.SCHEMA_VERSION
+    marker = b'"type":"final"'  # only a final's type: quotes inside a text are escaped
+    chunks: list[bytes] = []
+    finals, tail = 0, b""
     try:
         while finals < len(rids):
-            reader.feed(sock.recv(1 << 20))
-            while (reply := reader.gets()) is not False:
-                messages.append((reply[1], reply[2]))
-                finals += reply[2].startswith(final_prefix)
+            data = sock.recv(1 << 20)
+            if not data:
+                break
+            chunks.append(data)
+            finals += (tail + data).count(marker)
+            tail = data[-(len(marker) - 1):]
     except OSError:  # timed out: report what came
         pass
-    done = time.monotonic()
+    done, cpu = time.monotonic(), time.process_time() - cpu0
+    reader.feed(b"".join(chunks))
     by_channel: dict[bytes, list[dict]] = {}
-    for channel, data in messages:
-        by_channel.setdefault(channel, []).append(orjson.loads(data))
+    messages = 0
+    while (reply := reader.gets()) is not False:
+        messages += 1
+        by_channel.setdefault(reply[1], []).append(orjson.loads(reply[2]))
     errors, deltas, tokens = [], 0, 0
     for rid in rids:
         got = by_channel.get(c.out_channel(rid).encode(), [])
@@ -125,7 +139,7 @@ def listen(port: int, rids: list[str], ready, report) -> None:
         if ("".join(ch["text"] for ch in parts) != final["text"]
                 or [t for ch in parts for t in ch["token_ids"]] != final["token_ids"]):
             errors.append(f"{rid}: the deltas do not add up to the final result")
-    report.put({"done": done, "messages": len(messages), "delta_messages": deltas, "tokens": tokens,
+    report.put({"done": done, "cpu_s": cpu, "messages": messages, "delta_messages": deltas, "tokens": tokens,
                 "finals": finals, "errors": errors[:5], "num_errors": len(errors)})
 
 
@@ -145,13 +159,33 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
         pipe.execute()
         engine = NoComputeEngine(num_seqs, step_s)
         worker = Worker(engine, WorkerConfig(redis_url=server.url, name="bench"))
-        writes: list[tuple[int, int, float]] = []
-        worker.io.on_write = lambda steps, ops, s: writes.append((steps, ops, s))
+        io = worker.io
+        writes: list[tuple[int, float, float]] = []  # (steps, fold + encode s, round trip s) per write
+        encode, transact, steps_in = io._encode, io._transact, [0, 0.0]
+
+        def timed_encode(batches):
+            t0 = time.perf_counter()
+            out = encode(batches)
+            steps_in[:] = sum(op[0] == "outputs" for ops in batches for op in ops), time.perf_counter() - t0
+            return out
+
+        def timed_transact(*args):
+            t0 = time.perf_counter()
+            transact(*args)
+            writes.append((steps_in[0], steps_in[1], time.perf_counter() - t0))
+
+        io._encode, io._transact = timed_encode, timed_transact
         handover: list[float] = []
+        starts: list[float] = []
         real_step = worker._step
+
+        first: list[float] = []  # worker and redis-server CPU at the first step
 
         def timed_step():
             t0, stub0 = time.perf_counter(), engine.own_s
+            if not starts:
+                first[:] = time.process_time(), _redis_cpu(r)
+            starts.append(t0)
             real_step()
             handover.append(time.perf_counter() - t0 - step_s - (engine.own_s - stub0))
 
@@ -159,18 +193,30 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
         t0 = time.monotonic()
         worker.run(burst=True)
         got = report.get(timeout=120)
+        worker_cpu, redis_cpu = time.process_time() - first[0], _redis_cpu(r) - first[1]  # all but the start
         listener.join(timeout=30)
         if got["num_errors"] or got["finals"] != num_seqs or got["tokens"] != num_seqs * max_tokens:
             raise RuntimeError(f"the subscriber did not get every message: {got}")
         wall = got["done"] - t0  # from the worker's start to the last final at the subscriber
-        full = [w[2] / w[0] for w in writes if w[1] >= num_seqs]  # writes carrying a full step of deltas
+        steps = len(handover)
+        out_writes = [w for w in writes if w[0]]  # writes carrying steps' outputs
         q = lambda xs, p: 1e3 * sorted(xs)[int(p * (len(xs) - 1))] if xs else float("nan")  # noqa: E731
-        return {"seqs": num_seqs, "steps": len(handover), "wall_s": wall, "messages": got["messages"],
+        return {"seqs": num_seqs, "steps": steps, "wall_s": wall, "messages": got["messages"],
                 "msgs_per_s": got["messages"] / wall, "tokens_per_s": got["tokens"] / wall,
                 "tokens_per_delta": got["tokens"] / got["delta_messages"],
+                "step_period_ms_p50": q([b - a for a, b in zip(starts, starts[1:])], 0.5),
                 "handover_ms_p50": q(handover, 0.5), "handover_ms_p99": q(handover, 0.99),
-                "redis_ms_p50": q(full, 0.5), "redis_ms_p99": q(full, 0.99),
-                "steps_per_write": statistics.mean(w[0] for w in writes)}
+                "encode_ms_p50": q([w[1] / w[0] for w in out_writes], 0.5),
+                "roundtrip_ms_p50": q([w[2] / w[0] for w in out_writes], 0.5),
+                "roundtrip_ms_p99": q([w[2] / w[0] for w in out_writes], 0.99),
+                "steps_per_write": statistics.mean(w[0] for w in out_writes),
+                "worker_cpu_ms_per_step": 1e3 * worker_cpu / steps, "redis_cpu_ms_per_step": 1e3 * redis_cpu / steps,
+                "subscriber_cpu_ms_per_step": 1e3 * got["cpu_s"] / steps}
+
+
+def _redis_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
 def main(argv: list[str] | None = None) -> int:

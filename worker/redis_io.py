@@ -4,10 +4,13 @@ Three daemon threads:
 - reader: XREADGROUP up to the engine's free capacity (interactive first), replays
   this consumer's own pending entries at start, reclaims (XAUTOCLAIM) entries of
   dead workers, keeps this worker's in-flight entries fresh, writes the heartbeat;
-- writer: runs each step's commands (PUBLISH, SET, XACK...) as one MULTI/EXEC,
+- writer: folds each step's outputs into their requests and writes them out: the
+  streaming deltas as plain pipelined PUBLISHes, then everything else (results,
+  acknowledgements, async requests' text) as one MULTI/EXEC; one round trip,
   coalescing steps when Redis is slower than the GPU (a request's deltas of those
   steps become one message), retrying across restarts. It frames the commands as
-  raw RESP itself (redis-py spends ~10 µs of Python per pipelined command);
+  raw RESP and reads the replies with hiredis itself (redis-py spends ~10 µs of
+  Python per pipelined command);
 - aborts: a pub/sub subscription to the abort channel.
 The main loop only touches queues.
 """
@@ -21,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import hiredis
 import redis
 
 from worker import contract as c
@@ -49,7 +53,10 @@ class IOConfig:
 
 
 Op = tuple
-"""One command for the writer, run in submission order inside one MULTI/EXEC:
+"""One command for the writer. A write runs, in submission order, first every ``publish`` and every streaming
+delta as plain PUBLISH commands, then everything else in one MULTI/EXEC (a request's status, deltas, final
+are published in that order on its channel). Deltas are at most once, like pub/sub itself: a write that
+fails is retried without them (their prefix may have run); the final result is what counts.
 
     ("start", InFlight)                        a request now runs: the writer folds its outputs in from now on
     ("outputs", [SequenceOutput, ...], time)   one engine step's outputs (at wall-clock time): the writer folds
@@ -58,15 +65,15 @@ Op = tuple
     ("end", InFlight, terminal)                the step thread ended a running request (cancel, deadline):
                                                its terminal result, with what it generated (RedisIO.end_ops);
                                                terminal None: drop it without a result (dead-lettered)
-    ("publish", channel, data)                 PUBLISH
+    ("publish", channel, data)                 PUBLISH ahead of the transaction (a request's status)
     ("xack_del", stream, entry_id)             XACK + XDEL, then the entry is no longer ours
-    ("HSET", key, field, value, ...)           any other Redis command, verbatim (upper case)
+    ("HSET", key, field, value, ...)           any other Redis command, verbatim (upper case), in the
+                                               transaction: ("PUBLISH", ...) for what must follow a SET
 
 str, bytes, int and float arguments are accepted (floats as repr)."""
 
-# All of a write's PUBLISH and APPEND commands in one script call: one command and one reply instead of
-# thousands. Publishes first, in submission order (a request's status, then its deltas, then its final).
-# Single-instance Redis only.
+# The deltas of async requests (recorded text): PUBLISH and APPEND in one script call inside the transaction,
+# so that the API's snapshot (text so far + a marker, in one MULTI) sees both or neither. Single-instance only.
 PUBLISH_MANY = """
 local n = tonumber(ARGV[1])
 for i = 2, 2 * n, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
@@ -85,6 +92,25 @@ def delta_choice(flight, out) -> dict:
     if out.finished:
         choice["finish_reason"], choice["stop_reason"] = out.finish_reason, out.stop_reason
     return choice
+
+
+class _NotSent(redis.ConnectionError):
+    """Redis could not be reached: nothing of the write ran."""
+
+
+def merged_delta(flight, outs: list) -> bytes:
+    """The delta message of ``flight``'s outputs ``outs`` (in step order): one entry per choice."""
+    if flight.simple:
+        last = outs[-1]
+        tail = (b',"finish_reason":%s,"stop_reason":%s' % (c.dumps(last.finish_reason), c.dumps(last.stop_reason))
+                if last.finished else b"")
+        text = c.dumps("".join([out.text for out in outs]))
+        return b'%s[{"index":0,"text":%s,"token_ids":%s%s}]}' % (
+            flight.delta_head, text, c.dumps([t for out in outs for t in out.token_ids]), tail)
+    by_index: dict[int, dict] = {}
+    for out in outs:
+        merge_choice(by_index, delta_choice(flight, out))
+    return c.delta_message(flight.id, list(by_index.values()), flight.delta_head)
 
 
 def merge_choice(by_index: dict[int, dict], choice: dict) -> None:
@@ -143,7 +169,7 @@ class RedisIO:
         for t in self._threads:
             t.join(timeout=2.0)
         if self._conn is not None:
-            self.redis.connection_pool.release(self._conn)
+            self._conn.disconnect()
             self._conn = None
 
     def _ensure_groups(self) -> None:
@@ -345,60 +371,87 @@ class RedisIO:
                 self._flushed.notify_all()
 
     def _write(self, batches: list[list[Op]]) -> None:
-        blob, num_commands, acked = self._encode(batches)
+        blob, num_plain, num_tx, tx_start, acked = self._encode(batches)
         delay = 0.05
         while True:
             try:
-                self._transact(blob, num_commands)
+                self._transact(blob, num_plain, num_tx)
                 for eid in acked:
                     self.forget(eid)
                 return
-            except redis.ConnectionError as e:
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning("redis write failed; retrying", extra={"worker": self.name, "error": str(e)})
+                if num_plain and not isinstance(e, _NotSent):  # some may have run: deltas are at most once
+                    blob, num_plain = blob[tx_start:], 0
+                    if not blob:
+                        return
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             except redis.RedisError:
                 log.exception("redis write rejected; dropping this batch", extra={"worker": self.name})
                 return
 
-    def _transact(self, blob: bytes, num_commands: int) -> None:
-        """Send MULTI, ``num_commands`` commands and EXEC (framed in ``blob``); raise the first error."""
+    def _transact(self, blob: bytes, num_plain: int, num_tx: int) -> None:
+        """Send ``blob``: ``num_plain`` plain commands, then (``num_tx`` > 0) MULTI, ``num_tx`` commands, EXEC.
+
+        Reads every reply. Raises ConnectionError (nothing or not everything is known to have run) or
+        the first error reply of the transaction (ResponseError); error replies to plain commands are logged.
+        """
         conn = self._conn
         if conn is None:
-            conn = self._conn = self.redis.connection_pool.get_connection()
-        errors: list[Exception] = []
-        try:
-            conn.send_packed_command([blob])  # (re)connects if needed
-            for _ in range(num_commands + 1):  # +OK for MULTI, +QUEUED for each command
-                try:
-                    conn.read_response()
-                except redis.ResponseError as e:  # the command was rejected: EXEC will abort
-                    errors.append(e)
+            conn = self._conn = self.redis.connection_pool.make_connection()
+        if conn._sock is None:
             try:
-                results = conn.read_response()
-            except redis.ResponseError as e:
-                raise (errors[0] if errors else e) from None
-        except redis.ResponseError:
-            raise
-        except BaseException:
+                conn.connect()
+            except redis.ConnectionError as e:
+                raise _NotSent(str(e)) from e
+        try:
+            sock = conn._sock
+            sock.sendall(blob)
+            reader = hiredis.Reader()
+            replies: list = []
+            expected = num_plain + (num_tx + 2 if num_tx else 0)  # ... +OK, +QUEUED for each command, EXEC's
+            while len(replies) < expected:
+                reply = reader.gets()
+                if reply is False:
+                    data = sock.recv(1 << 20)
+                    if not data:
+                        raise redis.ConnectionError("connection closed by the server")
+                    reader.feed(data)
+                else:
+                    replies.append(reply)
+        except BaseException as e:
             conn.disconnect()  # replies may be left unread: start afresh
+            if isinstance(e, OSError):
+                raise redis.ConnectionError(f"redis write: {e!r}") from e
             raise
-        errors = [r for r in results or () if isinstance(r, Exception)]
+        failed = [r for r in replies[:num_plain] if isinstance(r, hiredis.ReplyError)]
+        if failed:
+            log.error("redis rejected deltas", extra={"worker": self.name, "count": len(failed), "error": str(failed[0])})
+        if not num_tx:
+            return
+        results = replies[-1]
+        errors = [r for r in replies[num_plain:-1] if isinstance(r, hiredis.ReplyError)]
+        if isinstance(results, hiredis.ReplyError):
+            errors.append(results)
+        elif isinstance(results, list):
+            errors += [r for r in results if isinstance(r, hiredis.ReplyError)]
         if errors:
-            raise errors[0]
+            raise redis.ResponseError(str(errors[0]))
 
-    def _encode(self, batches: list[list[Op]]) -> tuple[bytes, int, list[bytes]]:
-        """A write as RESP: MULTI, one PUBLISH_MANY (publishes in order, then appends), the other commands, EXEC.
+    def _encode(self, batches: list[list[Op]]) -> tuple[bytes, int, int, int, list[bytes]]:
+        """A write as RESP: the plain PUBLISHes, then MULTI, [PUBLISH_MANY for async requests' deltas and text],
+        the other commands, EXEC.
 
-        Each request gets one delta message per write, published where its first output was
-        (after its status, before its final): the outputs of all the steps the write covers,
-        merged per choice. Returns the bytes, the number of commands between MULTI and EXEC,
-        and the entry ids acknowledged.
+        Each request gets one delta message per write, published where its first output was (after
+        its status, before its final): the outputs of all the steps the write covers, merged per
+        choice. Returns the bytes, the number of plain commands, the number of commands in the
+        transaction (0: none), where the transaction starts in the bytes, and the entry ids acknowledged.
         """
-        steps = sum(op[0] == "outputs" for ops in batches for op in ops)
-        pubs: list = []  # framed (channel, message) pairs, or an InFlight: the slot of its merged deltas
-        merged: dict = {}  # InFlight -> {index: choice}
-        appends: list[bytes] = []
+        single = sum(op[0] == "outputs" for ops in batches for op in ops) == 1
+        pubs: list = []  # plain PUBLISH commands, or an InFlight: the slot of its merged deltas
+        tx_pubs: list = []  # (channel, message) arguments of PUBLISH_MANY (async requests' deltas), or slots
+        pending: dict = {}  # InFlight -> its outputs in this write (but those formatted at once), in order
         cmds: list[bytes] = []
         acked: list[bytes] = []
         flights = self._flights
@@ -407,7 +460,7 @@ class RedisIO:
         def run(op: Op) -> None:
             name = op[0]
             if name == "publish":
-                pubs.append(bulk(op[1]) + bulk(op[2]))
+                pubs.append(command("PUBLISH", op[1], op[2]))
             elif name == "xack_del":
                 _, stream, eid = op
                 cmds.extend((command("XACK", stream, c.GROUP, eid), command("XDEL", stream, eid)))
@@ -435,43 +488,51 @@ class RedisIO:
                     if flight is None:  # ended (cancelled, expired) while this step ran
                         continue
                     if flight.add(out, now) and flight.publishes:
-                        req = flight.request
-                        if (steps == 1 and req.stream and req.n == 1 and not out.finished
-                                and not (out.logprobs and flight.wants_logprobs)):
-                            # the common case, formatted directly: one step of a one-choice stream
-                            msg = b'%s[{"index":%d,"text":%s,"token_ids":%s}]}' % (
-                                flight.delta_head, out.index, dumps(out.text), dumps(out.token_ids))
-                            pubs.append(b"%s$%d\r\n%s\r\n" % (flight.channel_bulk, len(msg), msg))
-                            if req.record_text and out.text:
-                                appends.append(bulk(c.text_key(flight.id, out.index)) + bulk(out.text))
+                        if single and flight.simple and not out.finished:
+                            # the common case, formatted at once: one token of a plain one-choice stream
+                            text, tokens = dumps(out.text), dumps(out.token_ids)
+                            pubs.append(b'%s$%d\r\n%s[{"index":0,"text":%s,"token_ids":%s}]}\r\n' % (
+                                flight.publish_head, flight.delta_size + len(text) + len(tokens),
+                                flight.delta_head, text, tokens))
                         else:
-                            by_index = merged.get(flight)
-                            if by_index is None:
-                                by_index = merged[flight] = {}
-                                if req.stream:
-                                    pubs.append(flight)
-                            merge_choice(by_index, delta_choice(flight, out))
+                            outs = pending.get(flight)
+                            if outs is not None:
+                                outs.append(out)
+                            else:
+                                pending[flight] = [out]
+                                if flight.request.stream:
+                                    (tx_pubs if flight.request.record_text else pubs).append(flight)
                     if out.finished and flight.is_done:
                         done.append(flight)
                 for flight in done:  # after its deltas
                     del flights[flight.id]
                     for final in self.end_ops(flight, None):
                         run(final)
-        for i, item in enumerate(pubs):
-            if not isinstance(item, bytes):
-                msg = c.delta_message(item.id, list(merged[item].values()), item.delta_head)
-                pubs[i] = b"%s$%d\r\n%s\r\n" % (item.channel_bulk, len(msg), msg)
-        for flight, by_index in merged.items():
+        for slots, head in ((pubs, "publish_head"), (tx_pubs, "channel_bulk")):
+            for i, item in enumerate(slots):
+                if type(item) is not bytes:
+                    msg = merged_delta(item, pending[item])
+                    slots[i] = b"%s$%d\r\n%s\r\n" % (getattr(item, head), len(msg), msg)
+        appends = []
+        for flight, outs in pending.items():
             if flight.request.record_text:
-                appends += [bulk(c.text_key(flight.id, i)) + bulk(ch["text"]) for i, ch in by_index.items() if ch["text"]]
-        num_commands = len(cmds)
-        parts = [MULTI]
-        if pubs or appends:
-            parts.append(b"*%d\r\n$4\r\nEVAL\r\n%s$1\r\n0\r\n%s" % (
-                4 + 2 * (len(pubs) + len(appends)), bulk(PUBLISH_MANY_BYTES), bulk(len(pubs))))
-            num_commands += 1
-        self._last_write_commands = len(pubs) + len(appends) + len(cmds)
-        return b"".join(parts + pubs + appends + cmds + [EXEC]), num_commands, acked
+                texts: dict[int, list[str]] = {}
+                for out in outs:
+                    texts.setdefault(out.index, []).append(out.text)
+                appends += [bulk(c.text_key(flight.id, i)) + bulk("".join(t)) for i, t in texts.items() if any(t)]
+        if tx_pubs or appends:
+            cmds[:0] = [b"*%d\r\n$4\r\nEVAL\r\n%s$1\r\n0\r\n%s" % (
+                4 + 2 * (len(tx_pubs) + len(appends)), bulk(PUBLISH_MANY_BYTES), bulk(len(tx_pubs))),
+                b"".join(tx_pubs + appends)]
+            num_tx = len(cmds) - 1
+        else:
+            num_tx = len(cmds)
+        self._last_write_commands = len(pubs) + len(tx_pubs) + len(appends) + num_tx
+        num_plain = len(pubs)
+        if num_tx:
+            pubs += (MULTI, *cmds, EXEC)
+        blob = b"".join(pubs)
+        return blob, num_plain, num_tx, len(blob) - sum(map(len, pubs[num_plain:])), acked
 
     # -- abort subscription --------------------------------------------------------
 

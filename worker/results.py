@@ -33,9 +33,12 @@ class InFlight:
         self.wants_logprobs = req.params.get("logprobs") is not None
         self.unfinished = req.n  # choices the engine has not finished (step thread only)
         self.publishes = req.stream or req.record_text  # its outputs are published or appended
+        self.simple = req.stream and req.n == 1 and not self.wants_logprobs and not req.record_text
         # read by the writer thread, encoded once here
         self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
+        self.publish_head = b"*3\r\n$7\r\nPUBLISH\r\n" + self.channel_bulk  # a PUBLISH up to its message
         self.delta_head = c.delta_head(req.id)
+        self.delta_size = len(self.delta_head) + len(b'[{"index":0,"text":,"token_ids":}]}')  # + text + token ids
 
     @property
     def id(self) -> str:

@@ -287,7 +287,7 @@ class Worker:
         return [("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
                 ("HSET", key, "status", result.status, "finished", result.finished),
                 ("EXPIRE", key, c.REQUEST_RECORD_TTL_S),
-                ("publish", c.out_channel(result.id), c.final_message(result.id, data)),
+                ("PUBLISH", c.out_channel(result.id), c.final_message(result.id, data)),  # after the SET
                 ("xack_del", stream, entry_id)]
 
     def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
