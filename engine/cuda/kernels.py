@@ -6,8 +6,12 @@ epilogue (decay, in-context learning rate, value residual, key update, state
 update, readout, per-head GroupNorm, bonus, gate) and writes the state back:
 each state is read once and written once per layer.
 
-``shift_mix``: gathers each sequence's token-shift vector from its slot,
-writes the new one, and produces the K mixed inputs in one pass.
+``ln_shift_mix``: LayerNorm of each row, then gathers the sequence's
+token-shift vector from its slot, writes the new one, and produces the K mixed
+inputs in one pass (``prefill_ln_shift_mix``: the same over packed prompts).
+
+``small_matmul``: weight-streaming matmul for decode batches of ≤ 16 rows with
+the activation or residual fused.
 """
 
 from __future__ import annotations
@@ -114,37 +118,19 @@ def wkv7_decode_ref(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first, p
     return out
 
 
-@triton.jit
-def _shift_mix_kernel(x, shift, slots, mix, out, B, C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < C
-    slot = tl.load(slots + b).to(tl.int64)
-    xb = tl.load(x + b * C + offs, mask=mask)
-    prev = tl.load(shift + slot * C + offs, mask=mask).to(xb.dtype)
-    tl.store(shift + slot * C + offs, xb.to(shift.dtype.element_ty), mask=mask)
-    xf = xb.to(tl.float32)
-    delta = prev.to(tl.float32) - xf
-    for j in tl.static_range(K):
-        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
-        tl.store(out + (j * B + b) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
-
-
-def shift_mix(x: torch.Tensor, shift: torch.Tensor, slots: torch.Tensor, mix: torch.Tensor,
-              out: torch.Tensor) -> torch.Tensor:
-    """``out[j, b] = x[b] + (shift[slot_b] - x[b]) * mix[j]``; then ``shift[slot_b] = x[b]``."""
-    B, C = x.shape
-    BLOCK = 1024
-    _shift_mix_kernel[(B, triton.cdiv(C, BLOCK))](x, shift, slots, mix, out, B, C=C, K=mix.shape[0],
-                                                   BLOCK=BLOCK, num_warps=4)
-    return out
-
-
 def shift_mix_ref(x, shift, slots, mix, out):
     prev = shift[slots].to(x.dtype)
     shift[slots] = x.to(shift.dtype)
     out.copy_((x.float()[None] + (prev.float() - x.float())[None] * mix.float()[:, None]).to(out.dtype))
     return out
+
+
+@triton.jit
+def _layer_norm_row(x_row, mask, w, bias, C: tl.constexpr, eps):
+    """LayerNorm of one fp32 row (masked tail ignored)."""
+    mean = tl.sum(x_row, axis=0) / C
+    d = tl.where(mask, x_row - mean, 0.0)
+    return d / tl.sqrt(tl.sum(d * d, axis=0) / C + eps) * w + bias
 
 
 @triton.jit
@@ -155,11 +141,8 @@ def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
     offs = tl.arange(0, BLOCK)
     mask = offs < C
     xf = tl.load(x + b * C + offs, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(xf, axis=0) / C
-    d = tl.where(mask, xf - mean, 0.0)
-    var = tl.sum(d * d, axis=0) / C
-    xn = d / tl.sqrt(var + eps) * tl.load(ln_w + offs, mask=mask).to(tl.float32) \
-        + tl.load(ln_b + offs, mask=mask).to(tl.float32)
+    xn = _layer_norm_row(xf, mask, tl.load(ln_w + offs, mask=mask).to(tl.float32),
+                         tl.load(ln_b + offs, mask=mask).to(tl.float32), C, eps)
     xb = xn.to(x.dtype.element_ty)  # rounded where the unfused LayerNorm would round
     slot = tl.load(slots + b).to(tl.int64)
     prev = tl.load(shift + slot * C + offs, mask=mask).to(x.dtype.element_ty)
@@ -283,6 +266,14 @@ def relu_square_(x: torch.Tensor) -> torch.Tensor:
 # -- prefill: the time mix's elementwise work around fla's chunked kernel, one pass in and one out -------------
 
 @triton.jit
+def _token_head_tile(h, T, N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
+    """This program's BT tokens × head h of a [T, C] tensor: rows, columns, row mask, element offsets."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = h * N + tl.arange(0, N)
+    return rows, cols, (rows < T)[:, None], rows[:, None].to(tl.int64) * C + cols[None, :]
+
+
+@triton.jit
 def _prefill_mix_in_kernel(r, k, v, w_lora, a_lora, v_lora, v_first, w0, a0, v0, k_k, k_a, r_k,
                            log_decay, k_out, v_out, a_out, b_out, bonus, T,
                            H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
@@ -290,10 +281,7 @@ def _prefill_mix_in_kernel(r, k, v, w_lora, a_lora, v_lora, v_first, w0, a0, v0,
     """fla's inputs for a block of tokens × one head: log decay, k (iclr-scaled), v (value residual),
     a = -k̂, b = k̂·iclr; plus the per-head bonus coefficient Σ r·k·r_k."""
     h = tl.program_id(1)
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = h * N + tl.arange(0, N)
-    mask = (rows < T)[:, None]
-    idx = rows[:, None].to(tl.int64) * C + cols[None, :]
+    rows, cols, mask, idx = _token_head_tile(h, T, N, C, BT)
     kr = tl.load(k + idx, mask=mask, other=0.0).to(tl.float32)
     vr = tl.load(v + idx, mask=mask, other=0.0).to(tl.float32)
     iclr = tl.sigmoid(tl.load(a0 + cols).to(tl.float32)[None, :]
@@ -326,10 +314,7 @@ def _prefill_mix_out_kernel(o, v, bonus, g, ln_w, ln_b, out, T, eps,
                             H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, BT: tl.constexpr):
     """Per-head GroupNorm of fla's output, plus the bonus (Σ r·k·r_k)·v, times the gate."""
     h = tl.program_id(1)
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    cols = h * N + tl.arange(0, N)
-    mask = (rows < T)[:, None]
-    idx = rows[:, None].to(tl.int64) * C + cols[None, :]
+    rows, cols, mask, idx = _token_head_tile(h, T, N, C, BT)
     y = tl.load(o + idx, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(y, axis=1) / N
     d = y - mean[:, None]
@@ -406,17 +391,13 @@ def _prefill_ln_shift_mix_kernel(x, ln_w, ln_b, shift, prev_slot, end_seq, mix, 
     w = tl.load(ln_w + offs, mask=mask).to(tl.float32)
     bias = tl.load(ln_b + offs, mask=mask).to(tl.float32)
     xf = tl.load(x + t * C + offs, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(xf, axis=0) / C
-    d = tl.where(mask, xf - mean, 0.0)
-    xb = (d / tl.sqrt(tl.sum(d * d, axis=0) / C + eps) * w + bias).to(x.dtype.element_ty)
+    xb = _layer_norm_row(xf, mask, w, bias, C, eps).to(x.dtype.element_ty)
     pslot = tl.load(prev_slot + t).to(tl.int64)
     if pslot >= 0:  # first token of its sequence
         prev = tl.load(shift + pslot * C + offs, mask=mask).to(x.dtype.element_ty)
     else:
         pf = tl.load(x + (t - 1) * C + offs, mask=mask, other=0.0).to(tl.float32)
-        pmean = tl.sum(pf, axis=0) / C
-        pd = tl.where(mask, pf - pmean, 0.0)
-        prev = (pd / tl.sqrt(tl.sum(pd * pd, axis=0) / C + eps) * w + bias).to(x.dtype.element_ty)
+        prev = _layer_norm_row(pf, mask, w, bias, C, eps).to(x.dtype.element_ty)
     seq = tl.load(end_seq + t).to(tl.int64)
     if seq >= 0:  # last token of its sequence
         tl.store(new_shift + seq * C + offs, xb.to(new_shift.dtype.element_ty), mask=mask)
