@@ -170,6 +170,45 @@ def test_a_missed_final_message_is_found_by_polling(offline, client):
     assert answer["r"].choices[0].text == "from the result key" and answer["r"].usage.completion_tokens == 2
 
 
+def test_merged_deltas_stream_their_tokens_in_order(offline):
+    """A worker whose write covered several steps publishes several tokens of a choice in one delta: the
+    client gets them in order, with a logprob per token, and nothing twice at the final."""
+    clear_queue(offline.r)
+    got = {}
+
+    def stream():
+        with httpx.stream("POST", offline.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 1}) as resp:
+            got["lines"] = [line for line in resp.iter_lines() if line]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    entry = wait_for(lambda: offline.r.xrange(c.STREAM_INTERACTIVE), 10, 0.01, "the queued request")
+    rid = c.QueuedRequest.decode(entry[0][1]).id
+    channel = c.out_channel(rid)
+
+    def lp(token: int) -> dict:
+        return {"token_id": token, "logprob": -0.5, "top": [[token, -0.5]]}
+
+    result = c.Result(id=rid, choices=[c.Choice(0, "abc", [65, 66, 67], "length")], prompt_tokens=1,
+                      completion_tokens=3)
+    pipe = offline.r.pipeline()
+    pipe.publish(channel, c.status_message(rid, c.STATUS_RUNNING))
+    pipe.publish(channel, c.delta_message(rid, [{"index": 0, "text": "ab", "token_ids": [65, 66],
+                                                 "logprobs": [lp(65), lp(66)]}]))
+    pipe.publish(channel, c.delta_message(rid, [{"index": 0, "text": "c", "token_ids": [67], "logprobs": [lp(67)],
+                                                 "finish_reason": "length", "stop_reason": None}]))
+    pipe.set(c.result_key(rid), result.encode())
+    pipe.publish(channel, c.final_message(rid, result.encode()))
+    pipe.execute()
+    thread.join(timeout=30)
+    chunks = [orjson.loads(line[6:]) for line in got["lines"] if line.startswith("data: {")]
+    choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+    assert [ch["text"] for ch in choices] == ["ab", "c"]
+    assert [len(ch["logprobs"]["tokens"]) for ch in choices] == [2, 1]
+    assert [ch["finish_reason"] for ch in choices] == [None, "length"] and got["lines"][-1] == "data: [DONE]"
+
+
 def test_no_live_worker_is_503_and_not_ready(offline, client):
     clear_queue(offline.r)
     offline.r.delete(c.heartbeat_key(FAKE))
