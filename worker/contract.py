@@ -162,7 +162,8 @@ def request_id_of(fields: dict) -> str | None:
 
 
 # -- outputs: worker → API ----------------------------------------------------------------
-# Published on out_channel(id), in this order: status, deltas, final.
+# Published on out_channel(id), in this order: status, deltas, final (the final only once result_key(id)
+# is set).
 #   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "logprobs"?, "finish_reason"?,
 #                                                 "stop_reason"?}]}
 #       At most one entry per index. An entry carries the next one or more tokens of that choice: a worker
@@ -170,6 +171,8 @@ def request_id_of(fields: dict) -> str | None:
 #       (one step while Redis keeps up). text and token_ids are those tokens' text and ids, in order; logprobs
 #       (when asked for) one entry per token; finish_reason and stop_reason are set on the choice's last delta.
 #       Concatenating a choice's deltas in order gives the final result's text and token_ids.
+#       Deltas are at most once, like pub/sub itself (a worker retries a failed write without them): a reader
+#       that missed some takes the rest of the text from the final result.
 #   {"v":1, "type":"status", "id":..., "status":"running"}
 #   {"v":1, "type":"final", "id":..., "result": <Result dict>}
 #   {"v":1, "type":"mark", "id":..., "token":...}  API-internal sync point (see mark_message); workers never send it
