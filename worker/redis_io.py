@@ -183,7 +183,7 @@ class RedisIO:
     # -- main-loop side ------------------------------------------------------------
 
     def submit(self, ops: list[Op]) -> None:
-        """Queue one step's commands; they run in order, as one pipeline, on the writer thread."""
+        """Queue one step's commands; the writer thread runs them in order, in one write with what piled up."""
         if ops:
             with self._flushed:
                 self._unflushed += 1
