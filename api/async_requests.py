@@ -124,6 +124,7 @@ class AsyncRequests:
             yield SSE_DONE
             return
         fmt = self.formatter(request_id, snap.record)
+        chars_sent = [len(text) for text in snap.texts]  # per choice: a re-run's deltas skip what was sent
         for i, text in enumerate(snap.texts):
             if text:
                 yield sse_event(fmt.chunk(i, text))
@@ -140,9 +141,13 @@ class AsyncRequests:
                     yield sse_event(final)
                 elif msg["type"] == "delta" and past_mark:  # before the marker: already in the snapshot
                     for ch in msg.get("choices", []):
-                        if ch.get("text") or ch.get("finish_reason"):
-                            yield sse_event(fmt.chunk(ch["index"], ch.get("text", ""),
-                                                      finish_reason=ch.get("finish_reason")))
+                        i = ch["index"]
+                        while len(chars_sent) <= i:
+                            chars_sent.append(0)
+                        text, _ = c.skip_seen(ch, chars_sent[i], 0)
+                        chars_sent[i] += len(text)
+                        if text or ch.get("finish_reason"):
+                            yield sse_event(fmt.chunk(i, text, finish_reason=ch.get("finish_reason")))
         except TimeoutError:
             pass  # watched for as long as the record lives
         yield SSE_DONE

@@ -53,6 +53,7 @@ class StreamSession:
         self.results: dict[str, c.Result] = {}
         self.formatter = Formatter(job.shape, service.tokenizer)
         self.sent: dict[int, str] = {}  # text sent per choice index
+        self.tokens_sent: dict[int, int] = {}  # tokens passed on per choice index (deltas of a re-run skip them)
         self.finished: set[int] = set()  # choice indices whose finish_reason was sent
         self._last_delta: dict[str, float] = {}
         self._first_token_seen = False
@@ -120,11 +121,17 @@ class StreamSession:
         frames = []
         for ch in msg.get("choices", []):
             index = base + ch["index"]
-            text, logprobs, finish = ch.get("text", ""), ch.get("logprobs"), ch.get("finish_reason")
-            if index in self.finished or not (text or logprobs or finish):
+            if index in self.finished:
+                continue
+            sent = self.sent.get(index, "")
+            text, logprobs = c.skip_seen(ch, len(sent), self.tokens_sent.get(index, 0))
+            finish = ch.get("finish_reason")
+            self.tokens_sent[index] = max(self.tokens_sent.get(index, 0),
+                                          ch.get("offset", 0) + len(ch.get("token_ids", ())))
+            if not (text or logprobs or finish):
                 continue
             first = index not in self.sent
-            self.sent[index] = self.sent.get(index, "") + text
+            self.sent[index] = sent + text
             if finish:
                 self.finished.add(index)
             frames.append(sse_event(self.formatter.chunk(index, text, logprobs=logprobs, finish_reason=finish,

@@ -24,6 +24,8 @@ Streams are trimmed with XDEL only after XACK, so XLEN = queued + in flight.
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -164,8 +166,8 @@ def request_id_of(fields: dict) -> str | None:
 # -- outputs: worker → API ----------------------------------------------------------------
 # Published on out_channel(id), in this order: status, deltas, final (the final only once result_key(id)
 # is set).
-#   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "logprobs"?, "finish_reason"?,
-#                                                 "stop_reason"?}]}
+#   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "offset", "text_offset",
+#                                                 "logprobs"?, "finish_reason"?, "stop_reason"?}]}
 #       At most one entry per index. An entry carries the next one or more tokens of that choice: a worker
 #       publishes one delta per request per Redis write, and a write covers every step since the last one
 #       (one step while Redis keeps up). text and token_ids are those tokens' text and ids, in order; logprobs
@@ -173,10 +175,32 @@ def request_id_of(fields: dict) -> str | None:
 #       Concatenating a choice's deltas in order gives the final result's text and token_ids.
 #       Deltas are at most once, like pub/sub itself (a worker retries a failed write without them): a reader
 #       that missed some takes the rest of the text from the final result.
+#       offset / text_offset: how many tokens / characters of the choice came before this entry. A request
+#       reclaimed from a dead worker is generated again from its prompt with the same seed (fixed from its id),
+#       so its deltas start again at offset 0: readers skip what they already passed on (see skip_seen).
 #   {"v":1, "type":"status", "id":..., "status":"running"}
 #   {"v":1, "type":"final", "id":..., "result": <Result dict>}
 #   {"v":1, "type":"mark", "id":..., "token":...}  API-internal sync point (see mark_message); workers never send it
 # Readers skip message types they do not know.
+
+def skip_seen(choice: dict, chars_seen: int, tokens_seen: int) -> tuple[str, list | None]:
+    """The text and logprobs of a delta entry a reader has not passed on yet, given how many characters and
+    tokens of that choice it passed on: a re-generated prefix (after a reclaim) is dropped."""
+    text, logprobs = choice.get("text", ""), choice.get("logprobs")
+    skip = chars_seen - choice.get("text_offset", chars_seen)
+    if skip > 0:
+        text = text[skip:]
+    skip = tokens_seen - choice.get("offset", tokens_seen)
+    if skip > 0 and logprobs:
+        logprobs = logprobs[skip:]
+    return text, logprobs
+
+
+def stable_seed(request_id: str) -> int:
+    """The sampling seed of a request that gave none: fixed by its id, so any worker that runs it again
+    (after a crash) generates the same tokens."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
+
 
 def delta_head(request_id: str) -> bytes:
     """A delta message up to its choices array (the worker encodes it once per request)."""

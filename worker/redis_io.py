@@ -104,13 +104,23 @@ def merged_delta(flight, outs: list) -> bytes:
         last = outs[-1]
         tail = (b',"finish_reason":%s,"stop_reason":%s' % (c.dumps(last.finish_reason), c.dumps(last.stop_reason))
                 if last.finished else b"")
-        text = c.dumps("".join([out.text for out in outs]))
-        return b'%s[{"index":0,"text":%s,"token_ids":%s%s}]}' % (
-            flight.delta_head, text, c.dumps([t for out in outs for t in out.token_ids]), tail)
+        text = "".join([out.text for out in outs])
+        tokens = [t for out in outs for t in out.token_ids]
+        return simple_delta(flight, text, tokens, tail)
     by_index: dict[int, dict] = {}
     for out in outs:
         merge_choice(by_index, delta_choice(flight, out))
+    for i, choice in by_index.items():  # where this delta starts in the choice's tokens and text
+        choice["offset"] = len(flight.choices[i].token_ids) - len(choice["token_ids"])
+        choice["text_offset"] = flight.text_len[i] - len(choice["text"])
     return c.delta_message(flight.id, list(by_index.values()), flight.delta_head)
+
+
+def simple_delta(flight, text: str, tokens: list[int], tail: bytes = b"") -> bytes:
+    """The delta message of a one-choice request without logprobs whose outputs so far end with these."""
+    return b'%s[{"index":0,"text":%s,"token_ids":%s,"offset":%d,"text_offset":%d%s}]}' % (
+        flight.delta_head, c.dumps(text), c.dumps(tokens), len(flight.choices[0].token_ids) - len(tokens),
+        flight.text_len[0] - len(text), tail)
 
 
 def merge_choice(by_index: dict[int, dict], choice: dict) -> None:
@@ -455,7 +465,6 @@ class RedisIO:
         cmds: list[bytes] = []
         acked: list[bytes] = []
         flights = self._flights
-        dumps = c.dumps
 
         def run(op: Op) -> None:
             name = op[0]
@@ -490,10 +499,8 @@ class RedisIO:
                     if flight.add(out, now) and flight.publishes:
                         if single and flight.simple and not out.finished:
                             # the common case, formatted at once: one token of a plain one-choice stream
-                            text, tokens = dumps(out.text), dumps(out.token_ids)
-                            pubs.append(b'%s$%d\r\n%s[{"index":0,"text":%s,"token_ids":%s}]}\r\n' % (
-                                flight.publish_head, flight.delta_size + len(text) + len(tokens),
-                                flight.delta_head, text, tokens))
+                            msg = simple_delta(flight, out.text, out.token_ids)
+                            pubs.append(b"%s$%d\r\n%s\r\n" % (flight.publish_head, len(msg), msg))
                         else:
                             outs = pending.get(flight)
                             if outs is not None:

@@ -29,6 +29,7 @@ class InFlight:
         req = self.request
         self.choices = [Choice(index=i) for i in range(req.n)]
         self.text_parts = [[] for _ in range(req.n)]
+        self.text_len = [0] * req.n  # characters generated per choice: deltas carry offsets from these
         self.num_prompt_tokens = len(req.prompt_token_ids) or 1
         self.wants_logprobs = req.params.get("logprobs") is not None
         self.unfinished = req.n  # choices the engine has not finished (step thread only)
@@ -38,7 +39,6 @@ class InFlight:
         self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
         self.publish_head = b"*3\r\n$7\r\nPUBLISH\r\n" + self.channel_bulk  # a PUBLISH up to its message
         self.delta_head = c.delta_head(req.id)
-        self.delta_size = len(self.delta_head) + len(b'[{"index":0,"text":,"token_ids":}]}')  # + text + token ids
 
     @property
     def id(self) -> str:
@@ -57,6 +57,7 @@ class InFlight:
         position = len(choice.token_ids)
         choice.token_ids += out.token_ids
         self.text_parts[out.index].append(out.text)
+        self.text_len[out.index] += len(out.text)
         if self.wants_logprobs and out.logprobs:
             choice.logprobs = (choice.logprobs or []) + logprob_dicts(out.logprobs)
         if out.finished:

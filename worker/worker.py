@@ -11,11 +11,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import random
 import signal
 import socket
 import time
 from dataclasses import dataclass
+
+import redis
 
 from engine.engine import LLMEngine
 from engine.params import SamplingParams
@@ -189,12 +190,22 @@ class Worker:
             self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_EXPIRED, "deadline passed before it ran", "expired")
             return
         flight = InFlight(req, item.stream, item.entry_id)
+        if item.deliveries > 1 and req.record_text:
+            self._clear_recorded_text(req)
         self._start(flight)
+
+    def _clear_recorded_text(self, req: c.QueuedRequest) -> None:
+        """A reclaimed request is generated again from its prompt: its recorded text starts again too (readers
+        of its deltas skip the repeated prefix by offset). Rare, so done here, before its first append."""
+        try:
+            self.io.redis.delete(*[c.text_key(req.id, i) for i in range(req.n)])
+        except redis.RedisError:
+            log.exception("could not clear the recorded text of a reclaimed request", extra={"request_id": req.id})
 
     def _start(self, flight: InFlight) -> bool:
         req = flight.request
-        if req.params.get("seed") is None:  # fixed once, so a re-run reproduces what was published
-            req.params["seed"] = random.getrandbits(63)
+        if req.params.get("seed") is None:  # fixed by the id: a re-run anywhere reproduces what was published
+            req.params["seed"] = c.stable_seed(req.id)
         try:
             params = SamplingParams.from_dict(req.params)
             self.engine.add(Request(req.id, list(req.prompt_token_ids), params, n=req.n))
