@@ -4,6 +4,7 @@ repeated text — ending equal to the stored result. Real API, real workers, rea
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import httpx
@@ -15,13 +16,22 @@ from tests.test_api_support import ApiServer, flushed, wait_for, wait_heartbeat
 from worker import contract as c
 
 
-def test_stream_carries_on_after_its_worker_is_killed(redis_server, tiny_model_path):
+@contextlib.contextmanager
+def api_and_victim(redis_server, model_path, victim_name: str):
+    """An empty Redis, the API, and the one worker the test will kill (short reclaim idle timeout)."""
     r = flushed(redis_server.url)
-    victim = start_worker(redis_server.url, str(tiny_model_path), "victim", "--idle-timeout", "3")
+    victim = start_worker(redis_server.url, str(model_path), victim_name, "--idle-timeout", "3")
     api = ApiServer(redis_server.url, "--model-name", "tiny")
     try:
         api.wait_healthy()
-        wait_heartbeat(r, "victim")
+        wait_heartbeat(r, victim_name)
+        yield r, api, victim
+    finally:
+        api.stop()
+
+
+def test_stream_carries_on_after_its_worker_is_killed(redis_server, tiny_model_path):
+    with api_and_victim(redis_server, tiny_model_path, "victim") as (r, api, victim):
         client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=180)
         stream = iter(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=400,
                                                 temperature=1.0, stream=True))  # no seed: one is fixed per id
@@ -37,18 +47,11 @@ def test_stream_carries_on_after_its_worker_is_killed(redis_server, tiny_model_p
         assert result.completion_tokens == 400
         assert streamed == result.choices[0].text
         assert rest[-1].choices[0].finish_reason == "length"
-    finally:
-        api.stop()
 
 
 def test_async_events_carry_on_after_the_worker_is_killed(redis_server, tiny_model_path):
     """The same for an async request's event stream (its recorded text starts again on the new worker)."""
-    r = flushed(redis_server.url)
-    victim = start_worker(redis_server.url, str(tiny_model_path), "victim2", "--idle-timeout", "3")
-    api = ApiServer(redis_server.url, "--model-name", "tiny")
-    try:
-        api.wait_healthy()
-        wait_heartbeat(r, "victim2")
+    with api_and_victim(redis_server, tiny_model_path, "victim2") as (r, api, victim):
         with httpx.Client(base_url=api.url, timeout=180) as http:
             created = http.post("/v1/requests", json={"endpoint": "completions", "prompt": "Once upon a time",
                                                       "max_tokens": 400, "temperature": 1.0})
@@ -76,5 +79,3 @@ def test_async_events_carry_on_after_the_worker_is_killed(redis_server, tiny_mod
         assert result.worker == "survivor2", log_of(survivor)
         assert text == result.choices[0].text == final["choices"][0]["text"]
         assert r.get(c.text_key(rid, 0)).decode() == result.choices[0].text
-    finally:
-        api.stop()
