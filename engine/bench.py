@@ -49,7 +49,34 @@ def bench_cpu() -> str:
         rows.append([batch, f"{steps / dt:.1f}", f"{steps * batch / dt:,.0f}"])
     out += "\n" + table("Tiny model (2 × 128, vocab 65,536), reference engine on one core, sampling included",
                         ["batch", "steps/s", "tokens/s"], rows)
-    return out
+    return out + "\n" + bench_sampler_cpu()
+
+
+def bench_sampler_cpu(batch: int = 32, vocab: int = 65536) -> str:
+    """One sampling step over [batch, vocab] logits on one core, by parameter mix. Gaussian logits with σ=6
+    make a peaked distribution (a trained LM's is; its top_p nucleus fits the 1,024 candidates), σ=1 a wide one."""
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
+
+    cases = (("temperature 1, top_p 0.9, peaked (σ=6)", SamplingParams(temperature=1.0, top_p=0.9), 6.0),
+             ("temperature 1, top_p 0.9, wide (σ=1): full-sort fallback", SamplingParams(temperature=1.0, top_p=0.9),
+              1.0),
+             ("temperature 0.8, top_k 50", SamplingParams(temperature=0.8, top_k=50), 3.0),
+             ("temperature 1, no top_k/top_p", SamplingParams(temperature=1.0), 3.0),
+             ("greedy", SamplingParams(temperature=0.0), 3.0))
+    rows = []
+    for name, params, scale in cases:
+        sampler = Sampler(batch, vocab, "cpu")
+        for slot in range(batch):
+            sampler.reset_slot(slot, params, slot, [1])
+        logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * scale
+        slots = torch.arange(batch)
+        sampler.sample(logits, slots)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            sampler.sample(logits, slots)
+        rows.append([name, f"{(time.perf_counter() - t0) / 5 * 1e3:.1f}"])
+    return table(f"Sampler, batch {batch} × vocab {vocab:,}, one core", ["parameters", "ms per step"], rows)
 
 
 # -- CUDA ---------------------------------------------------------------------------------
