@@ -155,8 +155,8 @@ class LLMEngine:
             return self._finish(seq, FinishReason.STOP, token, stream.finish())
         if token == self.eos_token_id and not params.ignore_eos:
             return self._finish(seq, FinishReason.STOP, None, stream.finish())
-        text = stream.push(token)
-        if stream.stopped:  # stop strings apply from the first token (min_tokens bans eos/stop ids)
+        text = stream.push(token, armed=num_out >= params.min_tokens)  # stop strings from min_tokens on (vLLM)
+        if stream.stopped:
             return self._finish(seq, FinishReason.STOP, stream.stop_str, text)
         if num_out >= params.max_tokens or seq.num_prompt_tokens + num_out >= self.config.max_model_len:
             return self._finish(seq, FinishReason.LENGTH, None, text + stream.finish())

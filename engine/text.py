@@ -162,8 +162,9 @@ class TextStream:
             pieces[:] = ["".join(pieces)]
         return pieces[0] if pieces else ""
 
-    def push(self, token_id: int) -> str:
-        """Add one token; return the newly safe text (may be "")."""
+    def push(self, token_id: int, armed: bool = True) -> str:
+        """Add one token; return the newly safe text (may be ""). ``armed=False``: a stop string that
+        completes in this token's text does not stop (before ``min_tokens``, as vLLM)."""
         if self._done:
             return ""
         tail = self._tail
@@ -180,7 +181,7 @@ class TextStream:
             # a stop string.
             self._pieces.append(s)
             return s
-        return self._feed(s)
+        return self._feed(s, armed)
 
     def finish(self) -> str:
         """End of generation: flush the tail (as U+FFFD) and any held text."""
@@ -214,10 +215,13 @@ class TextStream:
         self._tail = tail
         return s
 
-    def _feed(self, s: str) -> str:
+    def _feed(self, s: str, armed: bool = True) -> str:
         """Run new text through the stop matcher; return what is safe to emit."""
         matcher = self._matcher
         state, end = matcher.scan(self._state, s)
+        if end >= 0 and not armed:  # a match that may not stop yet: pass it on, scan on from there
+            delta = self._emit_unmatched(s[:end], state)
+            return delta + (self._feed(s[end:], armed) if end < len(s) else "")
         held = self._held
         if end >= 0:
             stop = matcher.match[state]
@@ -226,13 +230,20 @@ class TextStream:
             self.stopped, self.stop_str, self._done = True, stop, True
             self._held, self._tail = "", b""
         else:
-            keep = matcher.depth[state]
-            self._state = state
-            window = held + s if held else s
-            if keep:
-                delta, self._held = window[:-keep], window[-keep:]
-            else:
-                delta, self._held = window, ""
+            return self._emit_unmatched(s, state)
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def _emit_unmatched(self, s: str, state: int) -> str:
+        """``s`` scanned to ``state`` without stopping: emit all but what may still begin a stop string."""
+        keep = self._matcher.depth[state]
+        self._state = state
+        window = self._held + s if self._held else s
+        if keep:
+            delta, self._held = window[:-keep], window[-keep:]
+        else:
+            delta, self._held = window, ""
         if delta:
             self._pieces.append(delta)
         return delta

@@ -272,3 +272,30 @@ def test_long_stream_with_stops_is_not_quadratic(tok):
     ids = tok.encode("User said: no. " * 20_000)
     ts, deltas = run(tok, ids, ["User:", "Assistant:", "x" * 256])
     assert "".join(deltas) == "User said: no. " * 20_000 and not ts.stopped
+
+
+def test_stop_strings_armed_only_from_min_tokens(tok):
+    """Before min_tokens a stop string passes through as text; the first one that ends in the text of token
+    min_tokens or later stops (vLLM). Oracle: str.find over the whole text, by where each occurrence ends."""
+    rng = random.Random("armed")
+    alphabet = ["a", "b", "ab", " ", "ba", "c"]
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        stops = ["".join(rng.choice("abc ") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3))]
+        ids = tok.encode(text)
+        min_tokens = rng.randint(0, len(ids) + 1)
+        armed_from = len(tok.decode(ids[:max(min_tokens - 1, 0)]))  # chars before the first armed token
+        ends = [(i + len(s), -len(s), s) for s in stops for i in range(len(text)) if text.startswith(s, i)
+                and i + len(s) > armed_from]
+        stream, out = TextStream(tok, stops), []
+        for n, token in enumerate(ids, start=1):
+            out.append(stream.push(token, armed=n >= min_tokens))
+            if stream.stopped:
+                break
+        out.append(stream.finish())
+        if ends:
+            end, _, stop = min(ends)
+            assert stream.stopped and stream.stop_str == stop, (text, stops, min_tokens)
+            assert "".join(out) == text[:end - len(stop)], (text, stops, min_tokens)
+        else:
+            assert not stream.stopped and "".join(out) == text, (text, stops, min_tokens)
