@@ -60,6 +60,10 @@ def check_small_matmul() -> None:
         res = torch.randn(M, N, generator=gen) if G == 1 else None
         got = small_matmul(x, w, act, residual=res)
         assert rel(got, small_matmul_ref(x, w, act, residual=res)) < 1e-5, ("small_matmul", G, M, N, K, act)
+    x, w = torch.randn(4, 3, 64, generator=gen), torch.randn(4, 40, 64, generator=gen) / 8
+    for dt, tol in ((torch.bfloat16, 2e-2), (torch.float16, 2e-3)):  # half-precision weights and activations
+        got = small_matmul(x.to(dt), w.to(dt), ACT_LORA)
+        assert got.dtype == dt and rel(got, small_matmul_ref(x, w, ACT_LORA)) < tol, ("small_matmul", dt)
     x = torch.randn(2, 6, 32, generator=gen)[1]  # a strided 2-D view: rows must still be read right
     w = torch.randn(20, 32, generator=gen)
     assert rel(small_matmul(x, w), x @ w.T) < 1e-5
@@ -126,10 +130,27 @@ def check_decode_equal(ref, fast, pool) -> None:
         assert rel(a, b) < 1e-5
 
 
+def check_half_precision_decode() -> None:
+    """bf16 and fp16 weights (fp32 state) through both decode paths track the fp32 reference model."""
+    w32 = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=500, head_size=32, seed=5))
+    for dt, tol in ((torch.bfloat16, 3e-2), (torch.float16, 3e-3)):
+        w = w32.to("cpu", dt)
+        for small_batch_max in (16, 0):
+            ref = ReferenceRwkv7(w32, StatePool(w32.shape, 4, "cpu"))
+            fast = CudaRwkv7(w, StatePool(w.shape, 4, "cpu", dt, torch.float32), enforce_eager=True)
+            fast.small_batch_max = small_batch_max
+            tokens, slots = torch.tensor([7, 9]), torch.tensor([2, 0])
+            for step in range(3):
+                want, got = ref.decode(tokens, slots), fast.decode(tokens, slots)
+                assert rel(got, want) < tol, ("half decode", dt, small_batch_max, step, rel(got, want))
+                tokens = want.argmax(-1)
+
+
 if __name__ == "__main__":
     check_kernels()
     check_small_matmul()
     check_prefill_mix()
     check_decode_path()
+    check_half_precision_decode()
     print("kernel checks passed")
     sys.exit(0)

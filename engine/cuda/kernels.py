@@ -173,7 +173,7 @@ ACT_NONE, ACT_RELU_SQUARE, ACT_LORA = 0, 1, 2  # ACT_LORA: tanh on group 0 (deca
 
 @triton.jit
 def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
-                         ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+                         ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``."""
     pid_n = tl.program_id(0)
@@ -189,7 +189,9 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
         k_mask = offs_k < K
         xt = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         wt = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if IEEE:  # fp32 weights: no TF32 rounding
+        if UPCAST:  # Triton's CPU interpreter computes bf16 dots wrongly: it gets fp32 tiles
+            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+        elif IEEE:  # fp32 weights: no TF32 rounding
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(wt), acc)
@@ -229,7 +231,8 @@ def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual
     out3 = out[None] if out.dim() == 2 else out
     res = residual if residual is not None else out3
     args = (x3, w3, out3, res, M, N, K, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1))
-    flags = dict(ACT=act, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16)
+    flags = dict(ACT=act, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda,
+                 BLOCK_M=16)
     if x.is_cuda:
         _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G)](*args, **flags)
     else:  # the interpreter: one fixed configuration
