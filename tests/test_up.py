@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -49,6 +50,14 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--device", "cpu", "--port", str(port),
                              "--data-dir", str(tmp_path / "data")], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def read_output() -> None:  # read as it comes: the banner is awaited below, not raced
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_output, daemon=True)
+    reader.start()
     tree: set[int] = set()
     try:
         deadline = time.monotonic() + 240
@@ -67,11 +76,16 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
         assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
         tree |= descendants(proc.pid)
         assert len(tree) >= 3  # redis-server, a worker, the API
+        banner_by = time.monotonic() + 60  # gaggle polls /ready on its own clock: wait for its banner
+        while not any("gaggle is up" in line for line in lines) and time.monotonic() < banner_by:
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    out = "".join(lines)
     assert proc.returncode == 0, out[-3000:]
     assert "gaggle is up" in out and "RANDOM weights" in out
     time.sleep(0.5)
