@@ -76,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
         graph_ms = cuda_time_ms(lambda: model.decode(tokens, slots))
         rows = kernel_table(lambda: model._decode_eager(tokens, slots))
         print_table(f"{args.shape} decode batch {b} (eager kernels; CUDA-graph step)", rows, graph_ms)
+    for b in batches:  # sampling (T=1, top_p 0.9): device kernels, and its wall time with the host's share
+        from engine.params import SamplingParams
+        from engine.sampler import Sampler
+
+        sampler = Sampler(b, model.shape.vocab_size, "cuda")
+        for slot in range(b):
+            sampler.reset_slot(slot, SamplingParams(temperature=1.0, top_p=0.9), slot, [1])
+        slots = torch.arange(b, device="cuda")
+        logits = model.decode(torch.randint(1, 65536, (b,), device="cuda", generator=gen), slots)
+        wall_ms = cuda_time_ms(lambda: sampler.sample(logits, slots), iters=10)
+        print_table(f"sampler batch {b}, T=1 top_p=0.9 (wall includes host time)",
+                    kernel_table(lambda: sampler.sample(logits, slots)), wall_ms)
     for t in (int(x) for x in args.prefill.split(",") if x):
         prompt = torch.randint(1, 65536, (t,), generator=torch.Generator().manual_seed(1)).tolist()
         ms = cuda_time_ms(lambda: model.prefill([prompt], [0]), iters=5, warmup=2)
