@@ -112,6 +112,16 @@ class AsyncRequests:
                               code="queue_unavailable") from None
         return RequestEvents(self, request_id, tenant, inbox)
 
+    async def _missed_text(self, request_id: str, snap: Snapshot, index: int, chars_sent: int, choice: dict) -> str:
+        """Text of choice ``index`` between what this stream sent and where ``choice`` starts: workers publish an
+        async request's deltas only once they see its watch (within ~0.5 s), and the text it got meanwhile is
+        in the recorded text."""
+        start = choice.get("text_offset", chars_sent)
+        if start <= chars_sent:
+            return ""
+        now = await self.broker.snapshot(request_id, int(snap.record.get("n", 1)))
+        return now.texts[index][chars_sent:start]
+
     async def events(self, request_id: str, tenant: str, inbox: asyncio.Queue) -> AsyncIterator[bytes]:
         """What follows (text so far, deltas, then the final object); just the final if already finished.
 
@@ -129,9 +139,14 @@ class AsyncRequests:
             if text:
                 yield sse_event(fmt.chunk(i, text))
         past_mark = False
-        deadline = asyncio.get_running_loop().time() + c.REQUEST_RECORD_TTL_S
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + c.REQUEST_RECORD_TTL_S
+        next_touch = loop.time() + c.WATCH_TTL_S / 3
         try:
             async for msg in self.service.pump(inbox, {request_id}, deadline):
+                if loop.time() >= next_touch:  # keep workers publishing while this stream is open
+                    next_touch = loop.time() + c.WATCH_TTL_S / 3
+                    await self.broker.touch_watch(request_id)
                 if msg is KEEPALIVE:
                     yield SSE_KEEPALIVE
                 elif msg["type"] == "mark":
@@ -144,7 +159,9 @@ class AsyncRequests:
                         i = ch["index"]
                         while len(chars_sent) <= i:
                             chars_sent.append(0)
-                        text, _ = c.skip_seen(ch, chars_sent[i], 0)
+                        gap = await self._missed_text(request_id, snap, i, chars_sent[i], ch)
+                        text, _ = c.skip_seen(ch, chars_sent[i] + len(gap), 0)
+                        text = gap + text
                         chars_sent[i] += len(text)
                         if text or ch.get("finish_reason"):
                             yield sse_event(fmt.chunk(i, text, finish_reason=ch.get("finish_reason")))

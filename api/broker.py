@@ -110,13 +110,17 @@ class Broker:
         pipe.exists(c.cancel_key(request_id))
         for i in range(n):
             pipe.get(c.text_key(request_id, i))
-        if mark:
+        if mark:  # a watcher: from now on workers publish this request's deltas (see contract.watch_key)
+            pipe.set(c.watch_key(request_id), 1, ex=c.WATCH_TTL_S)
             pipe.publish(c.out_channel(request_id), c.mark_message(request_id, token))
         raw_record, raw_result, cancelled, *texts = (await pipe.execute())[:3 + n]
         record = {k.decode(): v.decode() for k, v in raw_record.items()}
         result = c.Result.decode(raw_result) if raw_result else None
         return Snapshot(record, result, [(t or b"").decode("utf-8", "replace") for t in texts], bool(cancelled),
                         token)
+
+    async def touch_watch(self, request_id: str) -> None:
+        await self.redis.set(c.watch_key(request_id), 1, ex=c.WATCH_TTL_S)
 
     # -- cluster state ---------------------------------------------------------------------
 

@@ -392,3 +392,19 @@ def test_models_health_ready_metrics(client, stack, http):
         assert line in text, line
     assert "Traceback" not in stack.api.log(100_000), stack.api.log()
     assert "Traceback" not in log_of(stack.worker, 100_000)
+
+
+def test_an_unwatched_async_request_publishes_no_deltas(http, stack):
+    """Bulk async work costs no per-token pub/sub: deltas go out only while an /events stream watches."""
+    rid = http.post("/v1/requests", json={"endpoint": "completions", "prompt": PROMPT, "max_tokens": 60,
+                                          "ignore_eos": True}).json()["id"]
+    pubsub = stack.r.pubsub()
+    pubsub.subscribe(c.out_channel(rid))
+    kinds = []
+    done = poll(http, rid)
+    while (msg := pubsub.get_message(timeout=0.5)) is not None:
+        if msg["type"] == "message":
+            kinds.append(orjson.loads(msg["data"])["type"])
+    pubsub.close()
+    assert done["status"] == "completed" and len(done["choices"][0]["text"]) > 0
+    assert "final" in kinds and "delta" not in kinds, kinds

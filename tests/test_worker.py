@@ -254,7 +254,9 @@ def test_coalesced_steps_publish_one_merged_delta_per_request(r, redis_url):
     w = Worker(None, WorkerConfig(redis_url=redis_url, name="merge"))
     m = c.QueuedRequest(id="m", prompt_token_ids=[1], params={"logprobs": 0}, n=2, stream=True, record_text=True)
     one = c.QueuedRequest(id="one", prompt_token_ids=[1], params={}, stream=True)
-    start = [op for req in (m, one) for op in (("start", InFlight(req, c.STREAM_INTERACTIVE, b"1-0")),
+    flights = {req.id: InFlight(req, c.STREAM_INTERACTIVE, b"1-0") for req in (m, one)}
+    flights["m"].watched = True  # an async request publishes deltas only while an /events stream watches it
+    start = [op for req in (m, one) for op in (("start", flights[req.id]),
                                                 ("publish", c.out_channel(req.id), c.status_message(req.id, "running")))]
     steps = [[out("m", 0, 11, "a"), out("m", 1, 21, "x"), out("one", 0, 5, "p")],
              [out("m", 1, 22, "y", True), out("m", 0, 12, "b"), out("one", 0, 6, "q")],

@@ -16,6 +16,8 @@ Key space (all under ``gaggle:``):
     req:<id>               hash    request record: status, tenant, endpoint, created, worker
                                    (+ model, n, deadline written by the API: see request_record)
     text:<id>:<index>      string  text so far of one choice (async requests only)
+    watch:<id>             string  set (TTL) while an /events stream watches an async request: its deltas are
+                                   published only then (the API fills the gap from text:<id> by text_offset)
     worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model)
     workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
 
@@ -69,6 +71,14 @@ def request_key(request_id: str) -> str:
 def text_key(request_id: str, index: int) -> str:
     """Text generated so far by choice ``index`` (async requests with record_text)."""
     return f"{PREFIX}text:{request_id}:{index}"
+
+
+WATCH_TTL_S = 60  # the API refreshes a watch every WATCH_TTL_S / 3 while its event stream is open
+
+
+def watch_key(request_id: str) -> str:
+    """Present while someone streams an async request's events; workers publish its deltas only then."""
+    return f"{PREFIX}watch:{request_id}"
 
 
 def cancel_key(request_id: str) -> str:

@@ -82,6 +82,7 @@ return n
 """
 PUBLISH_MANY_BYTES = PUBLISH_MANY.encode()
 MULTI, EXEC = command("MULTI"), command("EXEC")
+WATCH_POLL_S = 0.5  # how soon an /events watcher starts receiving an async request's deltas
 
 
 def delta_choice(flight, out) -> dict:
@@ -157,7 +158,7 @@ class RedisIO:
         self._unflushed = 0
         self._flushed = threading.Condition()
         self._conn = None  # the writer thread's own connection
-        self._flights: dict = {}  # request id -> InFlight, running requests (writer thread only)
+        self._flights: dict = {}  # request id -> InFlight, running requests (the writer's; the reader copies it)
         # (InFlight, terminal) -> the ops that write its result; set by the Worker; runs on the writer thread
         self.end_ops: Callable[[object, tuple | None], list[Op]] = lambda flight, terminal: []
         self._last_write_commands = 0
@@ -228,7 +229,7 @@ class RedisIO:
     # -- reader thread -------------------------------------------------------------
 
     def _reader_loop(self) -> None:
-        next_reclaim = next_beat = next_keepalive = 0.0
+        next_reclaim = next_beat = next_keepalive = next_watch = 0.0
         replayed = False
         while not self._stop.is_set():
             try:
@@ -236,6 +237,9 @@ class RedisIO:
                 if now >= next_beat:
                     self._beat()
                     next_beat = now + self.cfg.heartbeat_interval_s
+                if now >= next_watch:
+                    self._poll_watches()
+                    next_watch = now + WATCH_POLL_S
                 if now >= next_keepalive:
                     self._keep_alive()
                     next_keepalive = now + self.cfg.idle_timeout_s / 4
@@ -340,6 +344,17 @@ class RedisIO:
             has_result, cancelled = bool(next(replies)), bool(next(replies))
             self.inbox.put(Incoming(stream, eid, fields or None, count, has_result and rid is not None,
                                     cancelled and rid is not None))
+
+    def _poll_watches(self) -> None:
+        """Which running async requests an /events stream watches (their deltas are published only then)."""
+        flights = [f for f in list(self._flights.values()) if f.request.record_text]  # list(): atomic copy
+        if not flights:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for flight in flights:
+            pipe.exists(c.watch_key(flight.id))
+        for flight, watched in zip(flights, pipe.execute()):
+            flight.watched = bool(watched)
 
     def _keep_alive(self) -> None:
         """Reset the idle time of our in-flight entries so nobody reclaims a long generation."""
@@ -508,7 +523,10 @@ class RedisIO:
                             else:
                                 pending[flight] = [out]
                                 if flight.request.stream:
-                                    (tx_pubs if flight.request.record_text else pubs).append(flight)
+                                    if not flight.request.record_text:
+                                        pubs.append(flight)
+                                    elif flight.watched:  # an async request: only while watched
+                                        tx_pubs.append(flight)
                     if out.finished and flight.is_done:
                         done.append(flight)
                 for flight in done:  # after its deltas

@@ -34,6 +34,7 @@ class InFlight:
         self.wants_logprobs = req.params.get("logprobs") is not None
         self.unfinished = req.n  # choices the engine has not finished (step thread only)
         self.publishes = req.stream or req.record_text  # its outputs are published or appended
+        self.watched = False  # async (record_text) requests: an /events stream watches it (reader thread sets it)
         self.simple = req.stream and req.n == 1 and not self.wants_logprobs and not req.record_text
         # read by the writer thread, encoded once here
         self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
