@@ -67,6 +67,7 @@ class CudaRwkv7:
         self.head = t["head.weight"]
         self.layers = [self._prepare_layer(t, i) for i in range(s.n_layer)]
         self.small_batch_max = SMALL_MATMUL_MAX_ROWS  # tests set 0 to run the cuBLAS path at any size
+        self._mm_out_dtype: bool | None = None  # torch.mm(..., out_dtype=float32) works here; None: not tried
         self.scratch_slot = pool.num_slots - 1  # padding rows of a graph batch write here
         self.graphs = None if enforce_eager else DecodeGraphs(self._decode_eager, max_graph_batch or self.scratch_slot,
                                                               self.scratch_slot, pool.wkv.device)
@@ -110,25 +111,33 @@ class CudaRwkv7:
         att = torch.empty(B, C, dtype=self.dtype, device=x.device)
         for i, L in enumerate(self.layers):
             ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed)
-            if small:
-                rkv = small_matmul(att_mixed[0:3], L.rkv)
-                up = small_matmul(small_matmul(att_mixed[3:7], L.lora_down, ACT_LORA), L.lora_up)
-            else:
-                rkv = torch.bmm(att_mixed[0:3], L.rkv.transpose(1, 2))
-                lo = torch.bmm(att_mixed[3:7], L.lora_down.transpose(1, 2))
-                lo[0].tanh_()
-                lo[3].sigmoid_()
-                up = torch.bmm(lo, L.lora_up.transpose(1, 2))
+            rkv, up = self._time_mix_projections(L, att_mixed, small)
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
                         L.p, i, self.eps, att)
             x = self._project(att, L.output, x, small)
             ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed)
-            if small:
-                h = small_matmul(ffn_mixed[0], L.ffn_key, ACT_RELU_SQUARE)
-            else:
-                h = relu_square_(F.linear(ffn_mixed[0], L.ffn_key))
-            x = self._project(h, L.ffn_value, x, small)
+            x = self._channel_mix(L, ffn_mixed[0], x, small)
         return self._head(F.layer_norm(x, (C,), *self.ln_out))
+
+    @staticmethod
+    def _time_mix_projections(L: Layer, mixed: torch.Tensor, small: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """r/k/v ``[3, T, C]`` from mixes 0-2 and the four LoRA outputs (w, a, v, g) ``[4, T, C]`` from mixes 3-6:
+        through the weight-streaming kernel (activations fused) for a few rows, else cuBLAS."""
+        if small:
+            return (small_matmul(mixed[0:3], L.rkv),
+                    small_matmul(small_matmul(mixed[3:7], L.lora_down, ACT_LORA), L.lora_up))
+        lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
+        lo[0].tanh_()
+        lo[3].sigmoid_()
+        return torch.bmm(mixed[0:3], L.rkv.transpose(1, 2)), torch.bmm(lo, L.lora_up.transpose(1, 2))
+
+    def _channel_mix(self, L: Layer, mixed: torch.Tensor, x: torch.Tensor, small: bool) -> torch.Tensor:
+        """``x + relu(mixed @ key.T)² @ value.T``."""
+        if small:
+            h = small_matmul(mixed, L.ffn_key, ACT_RELU_SQUARE)
+        else:
+            h = relu_square_(F.linear(mixed, L.ffn_key))
+        return self._project(h, L.ffn_value, x, small)
 
     @staticmethod
     def _project(h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, small: bool) -> torch.Tensor:
@@ -139,11 +148,13 @@ class CudaRwkv7:
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight out of the matmul where torch can (no separate [B, vocab] cast pass)."""
-        if x.is_cuda:
+        if x.is_cuda and self._mm_out_dtype is not False:
             try:
-                return torch.mm(x, self.head.t(), out_dtype=torch.float32)
+                logits = torch.mm(x, self.head.t(), out_dtype=torch.float32)
+                self._mm_out_dtype = True
+                return logits
             except (TypeError, RuntimeError, NotImplementedError):
-                pass
+                self._mm_out_dtype = False  # this torch has no bf16 → fp32 mm: found once, not per step
         return F.linear(x, self.head).float()
 
     # -- prefill ---------------------------------------------------------------------
@@ -166,9 +177,9 @@ class CudaRwkv7:
         for i, L in enumerate(self.layers):
             mixed = prefill_ln_shift_mix(x, L.ln1, self.pool.att_shift[i], slot_t, prev_slot, end_seq, L.att_mix)
             att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
-            x = x.addmm_(att, L.output.t())
+            x = self._project(att, L.output, x, small=False)
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
-            x = x.addmm_(relu_square_(F.linear(kx, L.ffn_key)), L.ffn_value.t())
+            x = self._channel_mix(L, kx, x, small=False)
         return self._head(F.layer_norm(x[cu[1:] - 1], (self.shape.n_embd,), *self.ln_out))
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
@@ -176,11 +187,7 @@ class CudaRwkv7:
 
         T, C = mixed.shape[1], self.shape.n_embd
         H, N = self.shape.n_head, self.shape.head_size
-        r, k, v = torch.bmm(mixed[0:3], L.rkv.transpose(1, 2))
-        lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
-        lo[0].tanh_()
-        lo[3].sigmoid_()
-        up = torch.bmm(lo, L.lora_up.transpose(1, 2))
+        (r, k, v), up = self._time_mix_projections(L, mixed, small=False)
         if i == 0:
             v_first = torch.empty_like(v)
         log_decay, k2, v, a, b, bonus = prefill_mix_in(r, k, v, up[0], up[1], up[2], v_first, L.p, i, H)
