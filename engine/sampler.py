@@ -280,15 +280,10 @@ class Sampler:
             scaled = scaled.masked_fill(scaled < floor, -math.inf)
         if not (f["top_p"] or f["top_k"]):
             return self._race(scaled, slots)
-        tokens, complete = self._sample_candidates(scaled, slots)
+        tokens, complete = self._sample_candidates(scaled, slots, min(scaled.shape[1], TOP_CANDIDATES))
         if not bool(complete.all()):  # a nucleus wider than the candidates (or ties at its edge): sort those rows
             rows = (~complete).nonzero().squeeze(1)
-            sub, sub_slots = scaled[rows], slots[rows]
-            if f["top_p"]:
-                sub = self._top_k_top_p_sorted(sub, sub_slots)
-            else:
-                sub = self._top_k_only(sub, sub_slots, int(f["max_top_k"]))
-            tokens[rows] = self._race(sub, sub_slots)
+            tokens[rows] = self._sample_candidates(scaled[rows], slots[rows], scaled.shape[1])[0]
         return tokens
 
     def _race(self, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -296,13 +291,14 @@ class Sampler:
         # argmax p_i / E_i  ==  argmax (logit_i / T - log E_i); masked tokens stay -inf.
         return (scaled - torch.log(noise)).argmax(dim=1)
 
-    def _sample_candidates(self, scaled: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """top_k/top_p on the row's ``TOP_CANDIDATES`` largest logits instead of a full sort, and the race run
-        on those candidates only (the counter hash gives each vocabulary id the same noise either way).
-        Returns (tokens, complete): a row is complete when every token its top_k/top_p keep — ties at the
-        threshold included — is a candidate; the caller re-samples the others with the full sort."""
+    def _sample_candidates(self, scaled: torch.Tensor, slots: torch.Tensor,
+                           n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """top_k (then top_p on what is left, as vLLM) on the row's ``n`` largest logits, and the race run on
+        those candidates only (the counter hash gives each vocabulary id the same noise either way); ``n`` =
+        the vocabulary size is the full sort. Returns (tokens, complete): a row is complete when every token
+        its top_k/top_p keep — ties at the threshold included — is a candidate; the caller re-samples the
+        others with the full sort."""
         v = scaled.shape[1]
-        n = min(v, TOP_CANDIDATES)
         raw, ids = scaled.topk(n, dim=1)  # sorted, descending
         k = self._top_k[slots]
         k = torch.where(k > 0, k.clamp(max=v), v)
@@ -313,6 +309,8 @@ class Sampler:
         probs = torch.exp(vals - log_z.unsqueeze(1))
         before = probs.cumsum(dim=1) - probs  # mass strictly ahead of each position
         top_p = self._top_p[slots].unsqueeze(1)
+        # Keep while the mass before a token is < top_p: the smallest set with mass >= top_p, never empty.
+        # top_p == 1 keeps all, whatever the float error of the cumsum.
         keep = ((before < top_p) | (top_p >= 1.0)) & (vals > -math.inf)
         n_keep = keep.sum(dim=1, keepdim=True).clamp(min=1)
         threshold = vals.gather(1, n_keep - 1)
@@ -322,35 +320,6 @@ class Sampler:
         noise = self._noise(self._seed_key[slots], self._generated[slots], self._vocab_keys[ids])
         race = raw.masked_fill(raw < threshold, -math.inf) - torch.log(noise)
         return ids.gather(1, race.argmax(dim=1, keepdim=True)).squeeze(1), complete
-
-    def _top_k_top_p_sorted(self, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Full sort: top_k, then top_p on the renormalised remainder (as vLLM)."""
-        v = scaled.shape[1]
-        srt = scaled.sort(dim=1, descending=True).values
-        pos = torch.arange(v, device=scaled.device).unsqueeze(0)
-        k = self._top_k[slots]
-        k = torch.where(k > 0, k.clamp(max=v), v).unsqueeze(1)
-        srt = srt.masked_fill(pos >= k, -math.inf)
-        probs = srt.softmax(dim=1)
-        before = probs.cumsum(dim=1) - probs  # mass strictly ahead of each position
-        top_p = self._top_p[slots].unsqueeze(1)
-        # Keep while the mass before a token is < top_p: the smallest set with mass >= top_p,
-        # never empty.  top_p == 1 keeps all, whatever the float error of the cumsum.
-        keep = (before < top_p) | (top_p >= 1.0)
-        keep &= srt > -math.inf
-        n_keep = keep.sum(dim=1, keepdim=True).clamp(min=1)
-        threshold = srt.gather(1, n_keep - 1)
-        return scaled.masked_fill(scaled < threshold, -math.inf)
-
-    def _top_k_only(self, scaled: torch.Tensor, slots: torch.Tensor, max_k: int) -> torch.Tensor:
-        """top_k without a full sort: one topk at the batch's largest k."""
-        v = scaled.shape[1]
-        max_k = min(max_k, v)
-        vals = scaled.topk(max_k, dim=1).values
-        k = self._top_k[slots]
-        idx = (k.clamp(min=1, max=max_k) - 1).unsqueeze(1)
-        threshold = torch.where(k.unsqueeze(1) > 0, vals.gather(1, idx), -math.inf)
-        return scaled.masked_fill(scaled < threshold, -math.inf)
 
     def _apply_penalties(self, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         counts = self.output_counts[slots]
@@ -412,7 +381,6 @@ class Sampler:
             "min_p": any(p.min_p > 0.0 for p in sampled),
             "top_p": any(p.top_p < 1.0 for p in sampled),
             "top_k": any(p.top_k > 0 for p in sampled),
-            "max_top_k": max((p.top_k for p in sampled), default=0),
             "bias": any(p.logit_bias for p, _ in live),
             "ban": any(ban for _, ban in live),
             "penalties": any(p.needs_penalties for p, _ in live),

@@ -448,6 +448,22 @@ def test_copy_slot_forks_params_and_counts_with_a_new_seed() -> None:
     assert streams[0] != streams[1]
 
 
+def full_sort_nucleus(sampler: Sampler, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Oracle: top_k, then top_p on the renormalised remainder, by sorting the whole row; the rest -inf."""
+    v = scaled.shape[1]
+    srt = scaled.sort(dim=1, descending=True).values
+    pos = torch.arange(v).unsqueeze(0)
+    k = sampler._top_k[slots]
+    k = torch.where(k > 0, k.clamp(max=v), v).unsqueeze(1)
+    srt = srt.masked_fill(pos >= k, -math.inf)
+    probs = srt.softmax(dim=1)
+    before = probs.cumsum(dim=1) - probs
+    top_p = sampler._top_p[slots].unsqueeze(1)
+    keep = ((before < top_p) | (top_p >= 1.0)) & (srt > -math.inf)
+    n_keep = keep.sum(dim=1, keepdim=True).clamp(min=1)
+    return scaled.masked_fill(scaled < srt.gather(1, n_keep - 1), -math.inf)
+
+
 @pytest.mark.parametrize("candidates", [16, 1024])
 def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
     """top_k/top_p on the largest logits first (falling back to the full sort for rows whose nucleus is wider)
@@ -474,8 +490,8 @@ def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
         scaled = logits / temperature
         floor = scaled.amax(1, keepdim=True) + torch.log(sampler._min_p[slots].clamp(min=1e-30)).unsqueeze(1)
         scaled = scaled.masked_fill(scaled < floor, -math.inf)
-        want = sampler._race(sampler._top_k_top_p_sorted(scaled, slots), slots)
-        fallbacks += int((~sampler._sample_candidates(scaled, slots)[1]).sum())
+        want = sampler._race(full_sort_nucleus(sampler, scaled, slots), slots)
+        fallbacks += int((~sampler._sample_candidates(scaled, slots, min(vocab, candidates))[1]).sum())
         got = sampler.sample(logits, slots).token_ids
         assert got == want.tolist(), (step, got, want.tolist())
         for row, (tok, p) in enumerate(zip(got, params)):
