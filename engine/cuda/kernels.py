@@ -134,6 +134,16 @@ def _layer_norm_row(x_row, mask, w, bias, C: tl.constexpr, eps):
 
 
 @triton.jit
+def _store_mixes(xb, prev, mix, out, row, rows, offs, mask, C: tl.constexpr, K: tl.constexpr):
+    """``out[j, row] = xb + (prev - xb) * mix[j]`` for the K mixes of one row (``out``: [K, rows, C])."""
+    xf = xb.to(tl.float32)
+    delta = prev.to(tl.float32) - xf
+    for j in tl.static_range(K):
+        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
+        tl.store(out + (j * rows + row) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
                          C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
     """LayerNorm of one row fused with its token-shift mixes (one launch instead of two)."""
@@ -147,11 +157,7 @@ def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
     slot = tl.load(slots + b).to(tl.int64)
     prev = tl.load(shift + slot * C + offs, mask=mask).to(x.dtype.element_ty)
     tl.store(shift + slot * C + offs, xb.to(shift.dtype.element_ty), mask=mask)
-    xf = xb.to(tl.float32)
-    delta = prev.to(tl.float32) - xf
-    for j in tl.static_range(K):
-        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
-        tl.store(out + (j * B + b) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
+    _store_mixes(xb, prev, mix, out, b, B, offs, mask, C, K)
 
 
 def ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor, slots: torch.Tensor,
@@ -404,11 +410,7 @@ def _prefill_ln_shift_mix_kernel(x, ln_w, ln_b, shift, prev_slot, end_seq, mix, 
     seq = tl.load(end_seq + t).to(tl.int64)
     if seq >= 0:  # last token of its sequence
         tl.store(new_shift + seq * C + offs, xb.to(new_shift.dtype.element_ty), mask=mask)
-    xf = xb.to(tl.float32)
-    delta = prev.to(tl.float32) - xf
-    for j in tl.static_range(K):
-        m = tl.load(mix + j * C + offs, mask=mask).to(tl.float32)
-        tl.store(out + (j * T + t) * C + offs, (xf + delta * m).to(out.dtype.element_ty), mask=mask)
+    _store_mixes(xb, prev, mix, out, t, T, offs, mask, C, K)
 
 
 def prefill_ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor,
