@@ -12,9 +12,18 @@ inputs in one pass (``prefill_ln_shift_mix``: the same over packed prompts).
 
 ``small_matmul``: weight-streaming matmul for decode batches of ≤ 16 rows with
 the activation or residual fused.
+
+Decode kernels are launched with programmatic dependent launch on Hopper
+(``pdl``): a kernel starts while its predecessor finishes, reads what no
+kernel of the step writes (weights, this layer's recurrent state) and only then
+waits for the predecessor (``_wait_for_predecessor``). Everything a kernel reads
+or writes that another kernel of the step touches comes after that wait.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -23,20 +32,71 @@ import triton.language as tl
 DECAY_SCALE = 0.606531  # exp(-0.5)
 
 
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Launch decode kernels with programmatic dependent launch: CUDA on Hopper or newer, unless
+    ``GAGGLE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("GAGGLE_PDL", "1") == "0":
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+WKV_STREAM_HINTS = os.environ.get("GAGGLE_WKV_STREAM", "0") == "1"  # under measurement
+
+# how much of each program's weight rows (elements along K) the small matmul pulls into L2 before it waits
+SMALL_MATMUL_PREFETCH_K = int(os.environ.get("GAGGLE_PREFETCH_K", "0"))
+
+
+@triton.jit
+def _wait_for_predecessor(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the previous kernel has finished and its writes are
+    visible, then let the next kernel start (it runs its own prologue, then waits for this one)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(rows, K, PREFETCH_K: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the first ``PREFETCH_K`` elements of each row (``rows``: [R, 1] row pointers, all valid;
+    one request per 128-byte line of ``LINE`` elements)."""
+    for k0 in range(0, tl.minimum(K, PREFETCH_K), LINE * 32):
+        ptrs = rows + tl.minimum(k0 + tl.arange(0, 32) * LINE, K - 1)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit
 def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                         w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
                         B, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
-                        IS_FIRST_LAYER: tl.constexpr, STATE_BF16: tl.constexpr):
+                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr,
+                        STREAM: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + b).to(tl.int64)
     offs = h * N + tl.arange(0, N)
     row = b * C + offs
+    # the layer's state and parameters: no kernel of this step before this one writes them
+    base = ((slot * H + h) * N) * N
+    idx = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]  # [value, key]
+    if STREAM:  # each state is touched once per step: keep it out of L2's way
+        s = tl.load(state + base + idx, eviction_policy="evict_first").to(tl.float32)
+    else:
+        s = tl.load(state + base + idx).to(tl.float32)
+    a0_h = tl.load(a0 + offs).to(tl.float32)
+    k_k_h = tl.load(k_k + offs).to(tl.float32)
+    k_a_h = tl.load(k_a + offs).to(tl.float32)
+    w0_h = tl.load(w0 + offs).to(tl.float32)
+    _wait_for_predecessor(PDL)
     rr = tl.load(r + row).to(tl.float32)
     kr = tl.load(k + row).to(tl.float32)
     vr = tl.load(v + row).to(tl.float32)
-    iclr = tl.sigmoid(tl.load(a0 + offs).to(tl.float32) + tl.load(a_lora + row).to(tl.float32))
+    iclr = tl.sigmoid(a0_h + tl.load(a_lora + row).to(tl.float32))
     if IS_FIRST_LAYER:
         vv = vr
         tl.store(v_first + row, vr.to(v_first.dtype.element_ty))
@@ -44,22 +104,20 @@ def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_firs
         vmix = tl.sigmoid(tl.load(v0 + offs).to(tl.float32) + tl.load(v_lora + row).to(tl.float32))
         vf = tl.load(v_first + row).to(tl.float32)
         vv = vr + (vf - vr) * vmix
-    kk = kr * tl.load(k_k + offs).to(tl.float32)
+    kk = kr * k_k_h
     kk = kk / tl.maximum(tl.sqrt(tl.sum(kk * kk, axis=0)), 1e-12)
-    k2 = kr * (1.0 + (iclr - 1.0) * tl.load(k_a + offs).to(tl.float32))
-    w = tl.load(w0 + offs).to(tl.float32) + tl.load(w_lora + row).to(tl.float32)
+    k2 = kr * (1.0 + (iclr - 1.0) * k_a_h)
+    w = w0_h + tl.load(w_lora + row).to(tl.float32)
     decay = tl.exp(-0.606531 * tl.sigmoid(w))
     a = -kk
     bb = kk * iclr
 
-    base = ((slot * H + h) * N) * N
-    idx = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]  # [value, key]
-    s = tl.load(state + base + idx).to(tl.float32)
     sa = tl.sum(s * a[None, :], axis=1)
     s = s * decay[None, :] + sa[:, None] * bb[None, :] + vv[:, None] * k2[None, :]
     y = tl.sum(s * rr[None, :], axis=1)
-    if STATE_BF16:
-        tl.store(state + base + idx, s.to(tl.bfloat16))
+    s = s.to(state.dtype.element_ty)
+    if STREAM:
+        tl.store(state + base + idx, s, cache_modifier=".cs")
     else:
         tl.store(state + base + idx, s)
 
@@ -83,12 +141,14 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
     """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[2]
-    kernel, extra = (_wkv7_decode_tuned, {}) if state.is_cuda else (_wkv7_decode_kernel, {"num_warps": 4})
+    use_pdl = pdl(state.device)
+    kernel, extra = ((_wkv7_decode_tuned, {"launch_pdl": use_pdl}) if state.is_cuda
+                     else (_wkv7_decode_kernel, {"num_warps": 4}))
     kernel[(B, H)](
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
         p["ln_x.bias"], out, B, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
-        STATE_BF16=state.dtype == torch.bfloat16, **extra)
+        PDL=use_pdl, STREAM=WKV_STREAM_HINTS and state.is_cuda, **extra)
     return out
 
 
@@ -145,19 +205,21 @@ def _store_mixes(xb, prev, mix, out, row, rows, offs, mask, C: tl.constexpr, K: 
 
 @triton.jit
 def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
-                         C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+                         C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """LayerNorm of one row fused with its token-shift mixes (one launch instead of two)."""
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < C
-    xf = tl.load(x + b * C + offs, mask=mask, other=0.0).to(tl.float32)
-    xn = _layer_norm_row(xf, mask, tl.load(ln_w + offs, mask=mask).to(tl.float32),
-                         tl.load(ln_b + offs, mask=mask).to(tl.float32), C, eps)
-    xb = xn.to(x.dtype.element_ty)  # rounded where the unfused LayerNorm would round
+    # the slot's shift state and the LayerNorm weights: no earlier kernel of this step writes them
     slot = tl.load(slots + b).to(tl.int64)
-    prev = tl.load(shift + slot * C + offs, mask=mask).to(x.dtype.element_ty)
+    prev = tl.load(shift + slot * C + offs, mask=mask)
+    w = tl.load(ln_w + offs, mask=mask).to(tl.float32)
+    bias = tl.load(ln_b + offs, mask=mask).to(tl.float32)
+    _wait_for_predecessor(PDL)
+    xf = tl.load(x + b * C + offs, mask=mask, other=0.0).to(tl.float32)
+    xb = _layer_norm_row(xf, mask, w, bias, C, eps).to(x.dtype.element_ty)  # rounded as an unfused LayerNorm
     tl.store(shift + slot * C + offs, xb.to(shift.dtype.element_ty), mask=mask)
-    _store_mixes(xb, prev, mix, out, b, B, offs, mask, C, K)
+    _store_mixes(xb, prev.to(x.dtype.element_ty), mix, out, b, B, offs, mask, C, K)
 
 
 def ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor, slots: torch.Tensor,
@@ -165,8 +227,10 @@ def ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: 
     """``xx = LayerNorm(x)``; ``out[j, b] = xx[b] + (shift[slot_b] - xx[b]) * mix[j]``; ``shift[slot_b] = xx[b]``."""
     B, C = x.shape
     BLOCK = triton.next_power_of_2(C)
+    use_pdl = pdl(x.device)
+    launch = {"launch_pdl": True} if use_pdl else {}
     _ln_shift_mix_kernel[(B,)](x, ln[0], ln[1], shift, slots, mix, out, B, eps, C=C, K=mix.shape[0], BLOCK=BLOCK,
-                               num_warps=8 if BLOCK >= 2048 else 4)
+                               PDL=use_pdl, num_warps=8 if BLOCK >= 2048 else 4, **launch)
     return out
 
 
@@ -180,6 +244,7 @@ ACT_NONE, ACT_RELU_SQUARE, ACT_LORA = 0, 1, 2  # ACT_LORA: tanh on group 0 (deca
 @triton.jit
 def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
                          ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                         PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``."""
     pid_n = tl.program_id(0)
@@ -187,6 +252,10 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    if PREFETCH_K > 0:  # weights are never written during a step: fetch them while the predecessor finishes
+        rows = w + g * N * K + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * K
+        _prefetch_l2(rows, K, PREFETCH_K, 1024 // w.dtype.element_ty.primitive_bitwidth)  # 128 B
+    _wait_for_predecessor(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_base = x + g * sxg + offs_m[:, None] * sxm
     w_base = w + g * N * K + offs_n[:, None].to(tl.int64) * K
@@ -240,9 +309,11 @@ def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual
     flags = dict(ACT=act, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda,
                  BLOCK_M=16)
     if x.is_cuda:
-        _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G)](*args, **flags)
+        use_pdl = pdl(x.device)
+        _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G)](
+            *args, **flags, PDL=use_pdl, PREFETCH_K=SMALL_MATMUL_PREFETCH_K, launch_pdl=use_pdl)
     else:  # the interpreter: one fixed configuration
-        _small_matmul_kernel[(triton.cdiv(N, 16), G)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
+        _small_matmul_kernel[(triton.cdiv(N, 16), G)](*args, **flags, PDL=False, PREFETCH_K=0, BLOCK_N=16, BLOCK_K=64)
     return out3[0] if squeeze else out3
 
 
