@@ -90,7 +90,8 @@ class ModelRunner:
         if not seqs:
             return [], None
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        return seqs, self.sampler.sample(torch.cat(logits).float(), slots)
+        rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # a decode-only step copies nothing
+        return seqs, self.sampler.sample(rows.float(), slots)
 
     def _fork(self, lead: Sequence) -> None:
         if not lead.siblings:

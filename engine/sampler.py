@@ -249,42 +249,66 @@ class Sampler:
         return out
 
     def sample(self, logits: torch.Tensor, slots: torch.Tensor) -> SampleOutput:
-        """One token per row of ``logits`` [B, V] for ``slots`` [B]; records the tokens."""
+        """One token per row of ``logits`` [B, V] for ``slots`` [B]; records the tokens.
+
+        One device-to-host transfer per step: rows whose top_k/top_p nucleus is wider than the candidates
+        come back flagged with it and are re-sampled by a full sort only then (rare for a trained model), so
+        the host never waits on the device mid-step and can queue the whole step behind the model's."""
         f = self._features()
         processed = self.process_logits(logits, slots)
-        temperature = self._temperature[slots]
-        greedy_rows = temperature == 0.0
-        if f["sampled"]:
-            sampled = self._sample_random(processed, slots, temperature, f)
-            if f["greedy"]:
-                tokens = torch.where(greedy_rows, processed.argmax(dim=1), sampled)
-            else:
-                tokens = sampled
-        else:
-            tokens = processed.argmax(dim=1)
-
-        packed = self._pack(logits, slots, tokens, f)
+        tokens, complete = self._choose(processed, slots, f)
+        rows = self._transfer(logits, slots, tokens, complete, f)
+        if complete is not None:
+            flags = [r[-1] for r in rows]
+            rows = [r[:-1] for r in rows] if f["logprobs"] else [r[0] for r in rows]
+            wide = [i for i, ok in enumerate(flags) if not ok]
+            if wide:  # before _record: the full sort must see the same counters (same noise) as the candidates
+                idx = torch.tensor(wide, device=tokens.device)
+                scaled = self._scaled(processed[idx], slots[idx], self._temperature[slots[idx]], f)
+                tokens[idx] = self._sample_candidates(scaled, slots[idx], scaled.shape[1])[0]
+                rows = self._transfer(logits, slots, tokens, None, f)
         self._record(slots, tokens)
-        return self._unpack(packed.tolist(), f)
+        return self._unpack(rows, f)
 
     # ---------------------------------------------------------------- internals
 
-    def _sample_random(self, processed: torch.Tensor, slots: torch.Tensor,
-                       temperature: torch.Tensor, f: dict) -> torch.Tensor:
-        """Exponential race (== Gumbel-max) over the tokens min_p/top_k/top_p allow."""
+    def _choose(self, processed: torch.Tensor, slots: torch.Tensor,
+                f: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens, and (when top_k/top_p ran) whether each row's nucleus fitted the candidates."""
+        if not f["sampled"]:
+            return processed.argmax(dim=1), None
+        temperature = self._temperature[slots]
+        greedy_rows = temperature == 0.0
+        scaled = self._scaled(processed, slots, temperature, f)
+        if f["top_p"] or f["top_k"]:
+            tokens, complete = self._sample_candidates(scaled, slots, min(scaled.shape[1], TOP_CANDIDATES))
+            complete = complete | greedy_rows
+        else:
+            tokens, complete = self._race(scaled, slots), None
+        if f["greedy"]:
+            tokens = torch.where(greedy_rows, processed.argmax(dim=1), tokens)
+        return tokens, complete
+
+    def _transfer(self, logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor,
+                  complete: torch.Tensor | None, f: dict) -> list:
+        """Everything the host needs, in one transfer: the packed rows (+ the complete flag last)."""
+        packed = self._pack(logits, slots, tokens, f)
+        if complete is None:
+            return packed.tolist()
+        if packed.dim() == 1:
+            packed = packed.unsqueeze(1)
+        return torch.cat([packed, complete.to(packed.dtype).unsqueeze(1)], dim=1).tolist()
+
+    def _scaled(self, processed: torch.Tensor, slots: torch.Tensor, temperature: torch.Tensor,
+                f: dict) -> torch.Tensor:
+        """Logits over the temperature (greedy rows: 1), min_p applied."""
         t = torch.where(temperature == 0.0, 1.0, temperature).unsqueeze(1)
         scaled = processed / t
         if f["min_p"]:
             # p < min_p * p_max  <=>  logit < logit_max + log(min_p)  (no softmax needed)
             floor = scaled.amax(dim=1, keepdim=True) + torch.log(self._min_p[slots]).unsqueeze(1)
             scaled = scaled.masked_fill(scaled < floor, -math.inf)
-        if not (f["top_p"] or f["top_k"]):
-            return self._race(scaled, slots)
-        tokens, complete = self._sample_candidates(scaled, slots, min(scaled.shape[1], TOP_CANDIDATES))
-        if not bool(complete.all()):  # a nucleus wider than the candidates (or ties at its edge): sort those rows
-            rows = (~complete).nonzero().squeeze(1)
-            tokens[rows] = self._sample_candidates(scaled[rows], slots[rows], scaled.shape[1])[0]
-        return tokens
+        return scaled
 
     def _race(self, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         noise = self._noise(self._seed_key[slots], self._generated[slots], self._vocab_keys)

@@ -471,7 +471,7 @@ def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
     import engine.sampler as sampler_module
     monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", candidates)
     vocab = 4096
-    params = [SamplingParams(temperature=1.0, top_p=0.9),  # scale 0.5 below: a wide nucleus
+    params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=2),  # scale 0.5 below: a wide nucleus
               SamplingParams(temperature=0.7, top_p=0.5),
               SamplingParams(temperature=1.0, top_k=5),
               SamplingParams(temperature=1.3, top_k=40, top_p=0.95),
@@ -492,8 +492,11 @@ def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
         scaled = scaled.masked_fill(scaled < floor, -math.inf)
         want = sampler._race(full_sort_nucleus(sampler, scaled, slots), slots)
         fallbacks += int((~sampler._sample_candidates(scaled, slots, min(vocab, candidates))[1]).sum())
-        got = sampler.sample(logits, slots).token_ids
+        out = sampler.sample(logits, slots)
+        got = out.token_ids
         assert got == want.tolist(), (step, got, want.tolist())
+        # the wide row's logprob is its re-sampled token's (the fallback re-packs the step's transfer)
+        assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0].double(), 0)[got[0]].item(), abs=1e-4)
         for row, (tok, p) in enumerate(zip(got, params)):
             assert tok in allowed_tokens(logits[row], p), (step, row)
     if candidates == 16:
