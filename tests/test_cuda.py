@@ -108,29 +108,31 @@ def test_graph_decode_equals_eager_bit_for_bit(small_weights):
 
 
 def test_overlapped_launches_equal_serial_launches(small_weights, monkeypatch):
-    """Programmatic dependent launch lets each decode kernel start before its predecessor ends: the logits and
-    state must equal those of plain serial launches bit for bit (a missing wait would race)."""
+    """Programmatic dependent launch lets the large-batch LayerNorm+shift and wkv kernels start before the GEMM
+    before them ends: logits and state must equal those of plain serial launches bit for bit (a read before
+    the wait would race)."""
     from engine.cuda.kernels import pdl
     if not pdl(torch.device(DEVICE)):
         pytest.skip("programmatic dependent launch needs Hopper or newer")
-    overlapped = build(small_weights, torch.bfloat16, 16)
-    monkeypatch.setenv("GAGGLE_PDL", "0")
-    serial = build(small_weights, torch.bfloat16, 16, eager=True)
-    prompts = [list(range(2 + j, 30 + 5 * j)) for j in range(13)]
-    for batch in (1, 13):
-        slots = torch.arange(batch, device=DEVICE)
-        tokens = torch.arange(200, 200 + batch, device=DEVICE)
-        for m in (overlapped, serial):
-            m.prefill(prompts[:batch], list(range(batch)))
-        for _ in range(4):
-            monkeypatch.setenv("GAGGLE_PDL", "1")
-            a = overlapped.decode(tokens, slots)
-            monkeypatch.setenv("GAGGLE_PDL", "0")
-            b = serial.decode(tokens, slots)
-            assert torch.equal(a, b), batch
-            tokens = a.argmax(-1)
-        for name in ("wkv", "att_shift", "ffn_shift"):
-            assert torch.equal(getattr(overlapped.pool, name)[:, :batch], getattr(serial.pool, name)[:, :batch])
+    overlapped = build(small_weights, torch.bfloat16, 40)
+    serial = build(small_weights, torch.bfloat16, 40, eager=True)
+    for m in (overlapped, serial):
+        m.small_batch_max = 0  # the cuBLAS path at every size
+    batch = 37
+    prompts = [list(range(2 + j, 30 + 2 * j)) for j in range(batch)]
+    slots = torch.arange(batch, device=DEVICE)
+    tokens = torch.arange(200, 200 + batch, device=DEVICE)
+    for m in (overlapped, serial):
+        m.prefill(prompts, list(range(batch)))
+    for _ in range(4):
+        monkeypatch.setenv("GAGGLE_PDL", "1")
+        a = overlapped.decode(tokens, slots)
+        monkeypatch.setenv("GAGGLE_PDL", "0")
+        b = serial.decode(tokens, slots)
+        assert torch.equal(a, b)
+        tokens = a.argmax(-1)
+    for name in ("wkv", "att_shift", "ffn_shift"):
+        assert torch.equal(getattr(overlapped.pool, name)[:, :batch], getattr(serial.pool, name)[:, :batch])
 
 
 def test_batch_invariance_on_gpu(small_weights):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import queue
 import os
 import statistics
 import sys
@@ -200,7 +201,7 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
         overshoot = _sleep_overshoot(step_s)
         t0 = time.monotonic()
         worker.run(burst=True)
-        got = report.get(timeout=120)
+        got = _wait_report(report, listener, timeout=120)
         worker_cpu, redis_cpu = time.process_time() - first[0], _redis_cpu(r) - first[1]  # all but the start
         listener.join(timeout=30)
         if got["num_errors"] or got["finals"] != num_seqs or got["tokens"] != num_seqs * max_tokens:
@@ -220,6 +221,18 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
                 "steps_per_write": statistics.mean(w[0] for w in out_writes),
                 "worker_cpu_ms_per_step": 1e3 * worker_cpu / steps, "redis_cpu_ms_per_step": 1e3 * redis_cpu / steps,
                 "subscriber_cpu_ms_per_step": 1e3 * got["cpu_s"] / steps}
+
+
+def _wait_report(report, listener, timeout: float) -> dict:
+    """The subscriber's report; a subscriber that died (its traceback is on stderr) fails the run at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return report.get(timeout=1.0)
+        except queue.Empty:
+            if not listener.is_alive():
+                raise RuntimeError(f"the subscriber process exited ({listener.exitcode}) without a report")
+    raise RuntimeError(f"no report from the subscriber in {timeout:.0f} s")
 
 
 def _sleep_overshoot(step_s: float) -> float:
