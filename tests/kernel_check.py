@@ -7,8 +7,7 @@ import sys
 
 import torch
 
-from engine.cuda.kernels import (ACT_LORA, ACT_NONE, ACT_RELU_SQUARE, ln_mix_matmul, ln_mix_matmul_ref, ln_shift_mix,
-                                 ln_shift_mix_ref,
+from engine.cuda.kernels import (ACT_LORA, ACT_NONE, ACT_RELU_SQUARE, ln_shift_mix, ln_shift_mix_ref,
                                  prefill_ln_shift_mix, prefill_ln_shift_mix_ref, prefill_mix_in, prefill_mix_in_ref,
                                  prefill_mix_out, prefill_mix_out_ref, relu_square_, small_matmul, small_matmul_ref,
                                  wkv7_decode, wkv7_decode_ref)
@@ -70,33 +69,6 @@ def check_small_matmul() -> None:
     assert rel(small_matmul(x, w), x @ w.T) < 1e-5
     h = torch.randn(3, 4097, generator=gen)
     assert torch.equal(relu_square_(h.clone()), torch.relu(h).square())
-    # the deferred shift write: group 0's programs copy src into dst[slots], nothing else changes
-    x, w = torch.randn(4, 3, 40, generator=gen), torch.randn(4, 36, 40, generator=gen)
-    src, dst, slots = torch.randn(3, 36, generator=gen), torch.randn(7, 36, generator=gen), torch.tensor([6, 0, 3])
-    want = dst.clone()
-    want[slots] = src
-    assert rel(small_matmul(x, w, copy=(src, dst, slots)), small_matmul_ref(x, w)) < 1e-5
-    assert torch.equal(dst, want)
-
-
-def check_ln_mix_matmul() -> None:
-    """LayerNorm + shift mix inside the projection (two weight sets in one launch, as r/k/v + LoRA down)."""
-    gen = torch.Generator().manual_seed(5)
-    for M, C, Na, Nb, dt, tol in ((1, 64, 64, 16, torch.float32, 1e-5), (5, 96, 40, 24, torch.float32, 1e-5),
-                                  (3, 64, 64, 32, torch.bfloat16, 2e-2)):
-        x = (torch.randn(M, C, generator=gen) * 3 + 1).to(dt)
-        ln = (torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen))
-        shift, mix = torch.randn(6, C, generator=gen).to(dt), torch.rand(7, C, generator=gen).to(dt)
-        wa, wb = (torch.randn(3, Na, C, generator=gen) / C ** 0.5).to(dt), (torch.randn(4, Nb, C, generator=gen)
-                                                                           / C ** 0.5).to(dt)
-        slots = torch.tensor([4, 0, 2, 5, 1][:M])
-        xn, twin_xn = torch.empty(M, C, dtype=dt), torch.empty(M, C, dtype=dt)
-        a, b = ln_mix_matmul(x, ln, shift, slots, mix, xn, wa, ACT_NONE, wb, ACT_LORA)
-        ta, tb = ln_mix_matmul_ref(x, ln, shift, slots, mix, twin_xn, wa, ACT_NONE, wb, ACT_LORA)
-        assert rel(a, ta) < tol and rel(b, tb) < tol and rel(xn, twin_xn) < tol, ("ln_mix_matmul", M, C, dt)
-        (h, none) = ln_mix_matmul(x, ln, shift, slots, mix[:1], xn, wa[:1], ACT_RELU_SQUARE)
-        assert none is None and rel(h, ln_mix_matmul_ref(x, ln, shift, slots, mix[:1], twin_xn, wa[:1],
-                                                         ACT_RELU_SQUARE)[0]) < tol
 
 
 def check_prefill_mix() -> None:
@@ -177,7 +149,6 @@ def check_half_precision_decode() -> None:
 if __name__ == "__main__":
     check_kernels()
     check_small_matmul()
-    check_ln_mix_matmul()
     check_prefill_mix()
     check_decode_path()
     check_half_precision_decode()

@@ -13,9 +13,6 @@ inputs in one pass (``prefill_ln_shift_mix``: the same over packed prompts).
 ``small_matmul``: weight-streaming matmul for decode batches of ≤ 16 rows with
 the activation or residual fused.
 
-``ln_mix_matmul``: for those small batches, LayerNorm + token-shift mix computed
-inside the projection that consumes them (no mixed copies, no separate launch).
-
 The LayerNorm+shift and wkv kernels of large decode batches are launched with
 programmatic dependent launch on Hopper (``overlap=True``): a kernel starts
 while its predecessor (a cuBLAS GEMM) finishes, reads what no kernel of the
@@ -23,7 +20,11 @@ step writes (this layer's recurrent and shift state, parameters) and only then
 waits for the predecessor (``_wait_for_predecessor``); everything another
 kernel of the step touches comes after that wait. Measured on an H200 (1.5B):
 batch 1,024 12.68 → 12.31 ms per step; on the small-batch path it made steps
-slower (1.53 → 1.74 ms at batch 1), so those launch plainly.
+slower (1.53 → 1.74 ms at batch 1), so those launch plainly. (Also measured
+and dropped: an L2 weight prefetch in the small matmul, streaming cache hints
+on the wkv state, and LayerNorm + shift mix recomputed inside the small-batch
+projections — 6 launches a layer instead of 9, but 1.54 / 1.90 / 2.00 ms at
+batch 1 / 4 / 16 against 1.53 / 1.62 / 1.72.)
 """
 
 from __future__ import annotations
@@ -249,11 +250,10 @@ def _activate(acc, g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _small_matmul_kernel(x, w, out, res, copy_src, copy_dst, slots, M, N, K, sxg, sxm, sog, som,
-                         ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_COPY: tl.constexpr, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``.
-    ``HAS_COPY``: group 0's programs also copy their columns of ``copy_src`` [M, N] to ``copy_dst[slots]``."""
+def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
+                         ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -273,11 +273,6 @@ def _small_matmul_kernel(x, w, out, res, copy_src, copy_dst, slots, M, N, K, sxg
     if HAS_RES:
         acc += tl.load(res + offs_m[:, None] * som + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out + g * sog + offs_m[:, None] * som + offs_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
-    if HAS_COPY:
-        if g == 0:
-            slot = tl.load(slots + offs_m, mask=m_mask, other=0).to(tl.int64)
-            src = tl.load(copy_src + offs_m[:, None] * N + offs_n[None, :], mask=mask)
-            tl.store(copy_dst + slot[:, None] * N + offs_n[None, :], src.to(copy_dst.dtype.element_ty), mask=mask)
 
 
 _small_matmul_tuned = triton.autotune(
@@ -291,11 +286,9 @@ SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming
 
 
 def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None,
-                 copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped ``act(x[g] @ w[g].T) + residual`` for at most 16 rows. ``x``: [G, M, K] or [M, K] (rows
-    contiguous); ``w``: [G, N, K] or [N, K] contiguous (nn.Linear layout); ``residual``: [M, N].
-    ``copy = (src [M, N], dst [S, N], slots [M])``: also ``dst[slots] = src`` (a deferred state write)."""
+    contiguous); ``w``: [G, N, K] or [N, K] contiguous (nn.Linear layout); ``residual``: [M, N]."""
     squeeze = x.dim() == 2
     x3, w3 = (x[None], w[None]) if squeeze else (x, w)
     G, M, K = x3.shape
@@ -305,135 +298,14 @@ def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual
         out = torch.empty(G, M, N, dtype=x.dtype, device=x.device)
     out3 = out[None] if out.dim() == 2 else out
     res = residual if residual is not None else out3
-    src, dst, slots = copy if copy is not None else (out3, out3, out3)
-    assert copy is None or (src.shape == (M, N) and src.is_contiguous() and dst.stride() == (N, 1))
-    args = (x3, w3, out3, res, src, dst, slots, M, N, K, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1))
-    flags = dict(ACT=act, HAS_RES=residual is not None, HAS_COPY=copy is not None, IEEE=x.dtype == torch.float32,
-                 UPCAST=not x.is_cuda, BLOCK_M=16)
+    args = (x3, w3, out3, res, M, N, K, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1))
+    flags = dict(ACT=act, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda,
+                 BLOCK_M=16)
     if x.is_cuda:
         _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G)](*args, **flags)
     else:  # the interpreter: one fixed configuration
         _small_matmul_kernel[(triton.cdiv(N, 16), G)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
     return out3[0] if squeeze else out3
-
-
-@triton.jit
-def _ln_mix_matmul_kernel(x, ln_w, ln_b, shift, slots, mix, xn_out, wa, outa, wb, outb, M, Na, Nb, Ga, eps,
-                          C: tl.constexpr, ACT_A: tl.constexpr, ACT_B: tl.constexpr, MIX_B: tl.constexpr,
-                          IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One output tile of ``act(mixed[j] @ w[g]ᵀ)`` where ``mixed[j] = xn + (shift[slot] - xn) * mix[j]`` and
-    ``xn = LayerNorm(x)``, computed here from ``x`` (every program recomputes the rows' statistics: a few KiB
-    from L2). The first ``Ga`` groups' tiles use ``wa`` (mix j = g), the rest ``wb`` (mix j = MIX_B + g).
-    Program 0 leaves ``xn`` in ``xn_out``; the slot's shift state is written by a later kernel."""
-    pid = tl.program_id(0)
-    tiles_a = Ga * tl.cdiv(Na, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    x_rows = x + offs_m[:, None] * C
-    # LayerNorm statistics, two passes (as the row kernel: no E[x²] - E[x]² cancellation)
-    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        total += tl.sum(tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < C)[None, :],
-                                other=0.0).to(tl.float32), axis=1)
-    mean = total / C
-    total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = m_mask[:, None] & (offs_k < C)[None, :]
-        d = tl.where(kmask, tl.load(x_rows + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
-                     - mean[:, None], 0.0)
-        total += tl.sum(d * d, axis=1)
-    std = tl.sqrt(total / C + eps)
-    if pid < tiles_a:
-        t = pid
-        N = Na
-        w = wa
-        out = outa
-        j = t // tl.cdiv(Na, BLOCK_N)
-    else:
-        t = pid - tiles_a
-        N = Nb
-        w = wb
-        out = outb
-        j = t // tl.cdiv(Nb, BLOCK_N) + MIX_B
-    g = (t // tl.cdiv(N, BLOCK_N)).to(tl.int64)
-    offs_n = (t % tl.cdiv(N, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    slot = tl.load(slots + offs_m, mask=m_mask, other=0).to(tl.int64)
-    w_base = w + g * N * C + offs_n[:, None].to(tl.int64) * C
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < C
-        kmask = m_mask[:, None] & k_mask[None, :]
-        xf = tl.load(x_rows + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
-        lw = tl.load(ln_w + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        lb = tl.load(ln_b + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        xn = ((xf - mean[:, None]) / std[:, None] * lw[None, :] + lb[None, :]).to(x.dtype.element_ty)
-        if pid == 0:
-            tl.store(xn_out + offs_m[:, None] * C + offs_k[None, :], xn, mask=kmask)
-        prev = tl.load(shift + slot[:, None] * C + offs_k[None, :], mask=kmask, other=0.0).to(x.dtype.element_ty)
-        m = tl.load(mix + j * C + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        xnf = xn.to(tl.float32)
-        mixed = (xnf + (prev.to(tl.float32) - xnf) * m[None, :]).to(x.dtype.element_ty)
-        wt = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(mixed, wt, acc, IEEE, UPCAST)
-    if pid < tiles_a:
-        acc = _activate(acc, g, ACT_A)
-    else:
-        acc = _activate(acc, g, ACT_B)
-    mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(out + g * M * N + offs_m[:, None] * N + offs_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
-
-
-_ln_mix_matmul_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for n, k, s, w in ((16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 3, 4), (16, 512, 3, 8))],
-    key=["Na", "Nb", "C", "BLOCK_M"])(_ln_mix_matmul_kernel)
-
-
-def ln_mix_matmul(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor, slots: torch.Tensor,
-                  mix: torch.Tensor, xn_out: torch.Tensor, wa: torch.Tensor, act_a: int = ACT_NONE,
-                  wb: torch.Tensor | None = None, act_b: int = ACT_NONE,
-                  eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Small decode batches: LayerNorm, token-shift mix and projection in one launch.
-
-    ``outa[g] = act_a(mix_g(x) @ wa[g].T)`` for ``wa`` [Ga, Na, C] with mix row g, and likewise
-    ``outb[g]`` for ``wb`` [Gb, Nb, C] with mix row Ga + g, where ``mix_j(x) = xn + (shift[slot] - xn) *
-    mix[j]``, ``xn = LayerNorm(x)``. ``xn_out`` [M, C] receives ``xn``; the caller writes it to
-    ``shift[slots]`` after this kernel (its programs all read the old value)."""
-    M, C = x.shape
-    Ga, Na = wa.shape[0], wa.shape[1]
-    Gb, Nb = (wb.shape[0], wb.shape[1]) if wb is not None else (0, 1)
-    assert M <= SMALL_MATMUL_MAX_ROWS and x.is_contiguous() and xn_out.is_contiguous()
-    assert wa.is_contiguous() and (wb is None or wb.is_contiguous()) and mix.shape[0] >= Ga + Gb
-    outa = torch.empty(Ga, M, Na, dtype=x.dtype, device=x.device)
-    outb = torch.empty(Gb, M, Nb, dtype=x.dtype, device=x.device) if wb is not None else None
-    args = (x, ln[0], ln[1], shift, slots, mix, xn_out, wa, outa, wa if wb is None else wb,
-            outa if outb is None else outb, M, Na, Nb)
-    flags = dict(C=C, ACT_A=act_a, ACT_B=act_b, MIX_B=Ga, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda,
-                 BLOCK_M=16)
-    if x.is_cuda:
-        def grid(meta):
-            return (Ga * triton.cdiv(Na, meta["BLOCK_N"]) + Gb * triton.cdiv(Nb, meta["BLOCK_N"]),)
-        _ln_mix_matmul_tuned[grid](*args, Ga, eps, **flags)
-    else:  # the interpreter: one fixed configuration
-        _ln_mix_matmul_kernel[(Ga * triton.cdiv(Na, 16) + Gb * triton.cdiv(Nb, 16),)](*args, Ga, eps, **flags,
-                                                                                      BLOCK_N=16, BLOCK_K=64)
-    return outa, outb
-
-
-def ln_mix_matmul_ref(x, ln, shift, slots, mix, xn_out, wa, act_a: int = ACT_NONE, wb=None, act_b: int = ACT_NONE,
-                      eps: float = 1e-5):
-    xn = torch.nn.functional.layer_norm(x.float(), (x.shape[1],), ln[0].float(), ln[1].float(), eps=eps).to(x.dtype)
-    xn_out.copy_(xn)
-    prev = shift[slots].to(x.dtype).float()
-    mixed = (xn.float()[None] + (prev - xn.float())[None] * mix.float()[:, None]).to(x.dtype)
-    ga = wa.shape[0]
-    outb = small_matmul_ref(mixed[ga:ga + wb.shape[0]], wb, act_b) if wb is not None else None
-    return small_matmul_ref(mixed[:ga], wa, act_a), outb
 
 
 def small_matmul_ref(x, w, act: int = ACT_NONE, residual=None):

@@ -11,9 +11,8 @@ fused wkv kernel (decay, iclr, value residual, key update, state update,
 readout, GroupNorm, bonus, gate) → output projection + residual → LayerNorm
 fused with the FFN shift mix → key projection, relu² → value projection +
 residual. Batches of up to 16 rows (batch-1 latency) run every projection
-through weight-streaming Triton kernels with the activation/residual fused and
-the LayerNorm + shift mixes computed inside the projections that consume them
-(r/k/v and the LoRA downs share one launch): 6 launches per layer. Larger
+through a weight-streaming Triton kernel with the activation/residual fused
+(9 launches per layer). Larger
 batches use cuBLAS (tensor cores) with the LayerNorm+shift and wkv kernels
 overlapping the GEMMs' tails (programmatic dependent launch).
 All weights are kept in nn.Linear layout ``[out, in]``.
@@ -28,9 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cuda.graphs import DecodeGraphs
-from engine.cuda.kernels import (ACT_LORA, ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_mix_matmul, ln_shift_mix,
-                                 prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out, relu_square_, small_matmul,
-                                 wkv7_decode)
+from engine.cuda.kernels import (ACT_LORA, ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, prefill_ln_shift_mix,
+                                 prefill_mix_in, prefill_mix_out, relu_square_, small_matmul, wkv7_decode)
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -113,22 +111,21 @@ class CudaRwkv7:
         return self._head(F.layer_norm(x, (self.shape.n_embd,), *self.ln_out))
 
     def _decode_small(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Weight-streaming kernels, 6 launches a layer: LayerNorm + shift mix happen inside the projections
-        that consume them; the shift states they read are written one kernel later (lora up, FFN value)."""
+        """Weight-streaming kernels (activations and residuals fused), 9 launches a layer."""
         pool = self.pool
-        v_first = torch.empty_like(x)
-        att = torch.empty_like(x)
-        xn = torch.empty_like(x)
+        B, C = x.shape
+        v_first, att = torch.empty_like(x), torch.empty_like(x)
+        att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
+        ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
         for i, L in enumerate(self.layers):
-            rkv, lo = ln_mix_matmul(x, L.ln1, pool.att_shift[i], slots, L.att_mix, xn, L.rkv, wb=L.lora_down,
-                                    act_b=ACT_LORA)
-            up = small_matmul(lo, L.lora_up, copy=(xn, pool.att_shift[i], slots))
+            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed)
+            rkv = small_matmul(att_mixed[0:3], L.rkv)
+            up = small_matmul(small_matmul(att_mixed[3:7], L.lora_down, ACT_LORA), L.lora_up)
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
                         L.p, i, self.eps, att)
             x = small_matmul(att, L.output, residual=x)
-            (h,), _ = ln_mix_matmul(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, xn, L.ffn_key[None],
-                                    ACT_RELU_SQUARE)
-            x = small_matmul(h, L.ffn_value, residual=x, copy=(xn, pool.ffn_shift[i], slots))
+            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed)
+            x = small_matmul(small_matmul(ffn_mixed[0], L.ffn_key, ACT_RELU_SQUARE), L.ffn_value, residual=x)
         return x
 
     def _decode_large(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
