@@ -65,7 +65,7 @@ def _wait_for_predecessor(PDL: tl.constexpr):
 def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                         w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
                         B, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
-                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr):
+                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, LARGE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + b).to(tl.int64)
@@ -113,10 +113,12 @@ def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_firs
     tl.store(out + row, ((yn + bonus) * gate).to(out.dtype.element_ty))
 
 
-# more warps per head tile hide more of the state's load latency: tuned per batch size on the GPU
+# more warps per head tile hide more of the state's load latency: tuned on the GPU once per decode path (small
+# batches, ≤ 16 rows / large ones), not per batch size: the warp count sets the order of the per-head sums, and a
+# row's result must not depend on how many rows share its step (a graph pads 11 rows to 16; batch invariance).
 # (the autotuner needs a GPU driver, so the interpreter on CPU runs the plain kernel)
 _wkv7_decode_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)],
-                                     key=["B", "C"], restore_value=["state", "v_first", "out"])(_wkv7_decode_kernel)
+                                     key=["C", "LARGE"], restore_value=["state", "v_first", "out"])(_wkv7_decode_kernel)
 
 
 def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lora, v_lora, g, v_first,
@@ -132,7 +134,7 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
         p["ln_x.bias"], out, B, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
-        PDL=use_pdl, **extra)
+        PDL=use_pdl, LARGE=B > SMALL_MATMUL_MAX_ROWS, **extra)
     return out
 
 
