@@ -136,7 +136,6 @@ class Sampler:
         self._generated = torch.zeros(num_slots, dtype=torch.int64, device=dev)
         self._vocab_keys = vocab_keys(vocab_size, dev)
         self._noise = torch.compile(exponential_noise, dynamic=True) if compile_noise else exponential_noise
-        self.top_candidates = TOP_CANDIDATES
         # Sparse per-slot tables, widened on demand; padding is (id 0, value 0 / not banned).
         self._bias_ids = torch.zeros(num_slots, 0, dtype=torch.int64, device=dev)
         self._bias_vals = torch.zeros(num_slots, 0, dtype=torch.float32, device=dev)
@@ -284,7 +283,7 @@ class Sampler:
         greedy_rows = temperature == 0.0
         scaled = self._scaled(processed, slots, temperature, f)
         if f["top_p"] or f["top_k"]:
-            tokens, complete = self._sample_candidates(scaled, slots, min(scaled.shape[1], self.top_candidates))
+            tokens, complete = self._sample_candidates(scaled, slots, min(scaled.shape[1], TOP_CANDIDATES))
             complete = complete | greedy_rows
         else:
             tokens, complete = self._race(scaled, slots), None

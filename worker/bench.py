@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import queue
 import os
+import queue
 import statistics
 import sys
 import tempfile

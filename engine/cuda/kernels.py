@@ -14,7 +14,7 @@ inputs in one pass (``prefill_ln_shift_mix``: the same over packed prompts).
 the activation or residual fused.
 
 The LayerNorm+shift and wkv kernels of large decode batches are launched with
-programmatic dependent launch on Hopper (``overlap=True``): a kernel starts
+programmatic dependent launch on Hopper (``large_batch=True``): a kernel starts
 while its predecessor (a cuBLAS GEMM) finishes, reads what no kernel of the
 step writes (this layer's recurrent and shift state, parameters) and only then
 waits for the predecessor (``_wait_for_predecessor``); everything another
@@ -44,10 +44,10 @@ def _pdl_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl(device: torch.device, overlap: bool = True) -> bool:
-    """Launch with programmatic dependent launch: asked for (``overlap``), CUDA on Hopper or newer, and not
-    switched off by ``GAGGLE_PDL=0``."""
-    if not overlap or device.type != "cuda" or os.environ.get("GAGGLE_PDL", "1") == "0":
+def pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch is available: CUDA on Hopper or newer, not switched off by
+    ``GAGGLE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("GAGGLE_PDL", "1") == "0":
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -65,7 +65,7 @@ def _wait_for_predecessor(PDL: tl.constexpr):
 def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                         w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
                         B, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
-                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, LARGE: tl.constexpr):
+                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, LARGE_BATCH: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + b).to(tl.int64)
@@ -118,23 +118,23 @@ def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_firs
 # row's result must not depend on how many rows share its step (a graph pads 11 rows to 16; batch invariance).
 # (the autotuner needs a GPU driver, so the interpreter on CPU runs the plain kernel)
 _wkv7_decode_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)],
-                                     key=["C", "LARGE"], restore_value=["state", "v_first", "out"])(_wkv7_decode_kernel)
+                                     key=["C", "LARGE_BATCH"], restore_value=["state", "v_first", "out"])(_wkv7_decode_kernel)
 
 
 def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lora, v_lora, g, v_first,
-                p: dict, layer: int, eps: float, out: torch.Tensor, overlap: bool = False) -> torch.Tensor:
+                p: dict, layer: int, eps: float, out: torch.Tensor, large_batch: bool = False) -> torch.Tensor:
     """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view.
-    ``overlap``: programmatic dependent launch (see the module's doc)."""
+    ``large_batch``: the cuBLAS decode path (launched with PDL, tuned apart: see the module's doc)."""
     B, C = r.shape
     H, N = state.shape[1], state.shape[2]
-    use_pdl = pdl(state.device, overlap)
+    use_pdl = large_batch and pdl(state.device)
     kernel, extra = ((_wkv7_decode_tuned, {"launch_pdl": use_pdl}) if state.is_cuda
                      else (_wkv7_decode_kernel, {"num_warps": 4}))
     kernel[(B, H)](
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
         p["ln_x.bias"], out, B, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
-        PDL=use_pdl, LARGE=B > SMALL_MATMUL_MAX_ROWS, **extra)
+        PDL=use_pdl, LARGE_BATCH=large_batch, **extra)
     return out
 
 
@@ -209,12 +209,12 @@ def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
 
 
 def ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor, slots: torch.Tensor,
-                 mix: torch.Tensor, out: torch.Tensor, eps: float = 1e-5, overlap: bool = False) -> torch.Tensor:
+                 mix: torch.Tensor, out: torch.Tensor, eps: float = 1e-5, large_batch: bool = False) -> torch.Tensor:
     """``xx = LayerNorm(x)``; ``out[j, b] = xx[b] + (shift[slot_b] - xx[b]) * mix[j]``; ``shift[slot_b] = xx[b]``.
-    ``overlap``: programmatic dependent launch (see the module's doc)."""
+    ``large_batch``: the cuBLAS decode path (launched with PDL: see the module's doc)."""
     B, C = x.shape
     BLOCK = triton.next_power_of_2(C)
-    use_pdl = pdl(x.device, overlap)
+    use_pdl = large_batch and pdl(x.device)
     launch = {"launch_pdl": True} if use_pdl else {}
     _ln_shift_mix_kernel[(B,)](x, ln[0], ln[1], shift, slots, mix, out, B, eps, C=C, K=mix.shape[0], BLOCK=BLOCK,
                                PDL=use_pdl, num_warps=8 if BLOCK >= 2048 else 4, **launch)
@@ -226,29 +226,6 @@ def ln_shift_mix_ref(x, ln, shift, slots, mix, out, eps: float = 1e-5):
 
 
 ACT_NONE, ACT_RELU_SQUARE, ACT_LORA = 0, 1, 2  # ACT_LORA: tanh on group 0 (decay), sigmoid on group 3 (gate)
-
-
-@triton.jit
-def _dot(xt, wt, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + xt @ wtᵀ``."""
-    if UPCAST:  # Triton's CPU interpreter computes bf16 dots wrongly: it gets fp32 tiles
-        return tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
-    elif IEEE:  # fp32 weights: no TF32 rounding
-        return tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-    else:
-        return tl.dot(xt, tl.trans(wt), acc)
-
-
-@triton.jit
-def _activate(acc, g, ACT: tl.constexpr):
-    """``ACT_RELU_SQUARE``: relu²; ``ACT_LORA``: tanh on group 0, sigmoid on group 3."""
-    if ACT == 1:
-        acc = tl.maximum(acc, 0.0)
-        acc = acc * acc
-    if ACT == 2:
-        tanh = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
-        acc = tl.where(g == 0, tanh, tl.where(g == 3, tl.sigmoid(acc), acc))
-    return acc
 
 
 @triton.jit
@@ -269,8 +246,18 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
         k_mask = offs_k < K
         xt = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         wt = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(xt, wt, acc, IEEE, UPCAST)
-    acc = _activate(acc, g, ACT)
+        if UPCAST:  # Triton's CPU interpreter computes bf16 dots wrongly: it gets fp32 tiles
+            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+        elif IEEE:  # fp32 weights: no TF32 rounding
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    if ACT == 1:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
+    if ACT == 2:
+        tanh = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
+        acc = tl.where(g == 0, tanh, tl.where(g == 3, tl.sigmoid(acc), acc))
     mask = m_mask[:, None] & n_mask[None, :]
     if HAS_RES:
         acc += tl.load(res + offs_m[:, None] * som + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -284,7 +271,7 @@ _small_matmul_tuned = triton.autotune(
                                 (32, 512, 3, 8))],
     key=["N", "K", "BLOCK_M"])(_small_matmul_kernel)
 
-SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernels instead of cuBLAS
+SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernel instead of cuBLAS
 
 
 def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual: torch.Tensor | None = None,

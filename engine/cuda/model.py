@@ -12,9 +12,9 @@ readout, GroupNorm, bonus, gate) → output projection + residual → LayerNorm
 fused with the FFN shift mix → key projection, relu² → value projection +
 residual. Batches of up to 16 rows (batch-1 latency) run every projection
 through a weight-streaming Triton kernel with the activation/residual fused
-(9 launches per layer). Larger
-batches use cuBLAS (tensor cores) with the LayerNorm+shift and wkv kernels
-overlapping the GEMMs' tails (programmatic dependent launch).
+(9 launches per layer); larger batches use cuBLAS (tensor cores), with the
+LayerNorm+shift and wkv kernels overlapping the GEMMs' tails (programmatic
+dependent launch).
 All weights are kept in nn.Linear layout ``[out, in]``.
 """
 
@@ -103,62 +103,50 @@ class CudaRwkv7:
         return self._decode_eager(token_ids, slots)
 
     def _decode_eager(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        pool, C = self.pool, self.shape.n_embd
+        B = token_ids.shape[0]
+        small = B <= self.small_batch_max
         x = self.emb[token_ids]
-        if token_ids.shape[0] <= self.small_batch_max:
-            x = self._decode_small(x, slots)
-        else:
-            x = self._decode_large(x, slots)
-        return self._head(F.layer_norm(x, (self.shape.n_embd,), *self.ln_out))
-
-    def _decode_small(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Weight-streaming kernels (activations and residuals fused), 9 launches a layer."""
-        pool = self.pool
-        B, C = x.shape
-        v_first, att = torch.empty_like(x), torch.empty_like(x)
-        att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
-        ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
-        for i, L in enumerate(self.layers):
-            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed)
-            rkv = small_matmul(att_mixed[0:3], L.rkv)
-            up = small_matmul(small_matmul(att_mixed[3:7], L.lora_down, ACT_LORA), L.lora_up)
-            wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
-                        L.p, i, self.eps, att)
-            x = small_matmul(att, L.output, residual=x)
-            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed)
-            x = small_matmul(small_matmul(ffn_mixed[0], L.ffn_key, ACT_RELU_SQUARE), L.ffn_value, residual=x)
-        return x
-
-    def _decode_large(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """cuBLAS projections; the LayerNorm+shift and wkv kernels overlap the GEMMs' tails (PDL)."""
-        pool = self.pool
-        B, C = x.shape
         v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
         att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
         ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
         att = torch.empty(B, C, dtype=self.dtype, device=x.device)
         for i, L in enumerate(self.layers):
-            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, overlap=True)
-            rkv, up = self._time_mix_projections(L, att_mixed)
+            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, large_batch=not small)
+            rkv, up = self._time_mix_projections(L, att_mixed, small)
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
-                        L.p, i, self.eps, att, overlap=True)
-            x = x.addmm_(att, L.output.t())
-            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, overlap=True)
-            x = self._channel_mix(L, ffn_mixed[0], x)
-        return x
+                        L.p, i, self.eps, att, large_batch=not small)
+            x = self._project(att, L.output, x, small)
+            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=not small)
+            x = self._channel_mix(L, ffn_mixed[0], x, small)
+        return self._head(F.layer_norm(x, (C,), *self.ln_out))
 
     @staticmethod
-    def _time_mix_projections(L: Layer, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cuBLAS: r/k/v ``[3, T, C]`` from mixes 0-2 and the four LoRA outputs (w, a, v, g) ``[4, T, C]``
-        from mixes 3-6."""
+    def _time_mix_projections(L: Layer, mixed: torch.Tensor, small: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """r/k/v ``[3, T, C]`` from mixes 0-2 and the four LoRA outputs (w, a, v, g) ``[4, T, C]`` from mixes 3-6:
+        through the weight-streaming kernel (activations fused) for a few rows, else cuBLAS."""
+        if small:
+            return (small_matmul(mixed[0:3], L.rkv),
+                    small_matmul(small_matmul(mixed[3:7], L.lora_down, ACT_LORA), L.lora_up))
         lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
         lo[0].tanh_()
         lo[3].sigmoid_()
         return torch.bmm(mixed[0:3], L.rkv.transpose(1, 2)), torch.bmm(lo, L.lora_up.transpose(1, 2))
 
+    def _channel_mix(self, L: Layer, mixed: torch.Tensor, x: torch.Tensor, small: bool) -> torch.Tensor:
+        """``x + relu(mixed @ key.T)² @ value.T``."""
+        if small:
+            h = small_matmul(mixed, L.ffn_key, ACT_RELU_SQUARE)
+        else:
+            h = relu_square_(F.linear(mixed, L.ffn_key))
+        return self._project(h, L.ffn_value, x, small)
+
     @staticmethod
-    def _channel_mix(L: Layer, mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x + relu(mixed @ key.T)² @ value.T`` (in place on ``x``)."""
-        return x.addmm_(relu_square_(F.linear(mixed, L.ffn_key)), L.ffn_value.t())
+    def _project(h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, small: bool) -> torch.Tensor:
+        """``residual + h @ weight.T``: fused in the small kernel; in place (no copy of the residual) on cuBLAS."""
+        if small:
+            return small_matmul(h, weight, residual=residual)
+        return residual.addmm_(h, weight.t())
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight out of the matmul where torch can (no separate [B, vocab] cast pass)."""
@@ -191,9 +179,9 @@ class CudaRwkv7:
         for i, L in enumerate(self.layers):
             mixed = prefill_ln_shift_mix(x, L.ln1, self.pool.att_shift[i], slot_t, prev_slot, end_seq, L.att_mix)
             att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
-            x = x.addmm_(att, L.output.t())
+            x = self._project(att, L.output, x, small=False)
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
-            x = self._channel_mix(L, kx, x)
+            x = self._channel_mix(L, kx, x, small=False)
         return self._head(F.layer_norm(x[cu[1:] - 1], (self.shape.n_embd,), *self.ln_out))
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
@@ -201,7 +189,7 @@ class CudaRwkv7:
 
         T, C = mixed.shape[1], self.shape.n_embd
         H, N = self.shape.n_head, self.shape.head_size
-        (r, k, v), up = self._time_mix_projections(L, mixed)
+        (r, k, v), up = self._time_mix_projections(L, mixed, small=False)
         if i == 0:
             v_first = torch.empty_like(v)
         log_decay, k2, v, a, b, bonus = prefill_mix_in(r, k, v, up[0], up[1], up[2], v_first, L.p, i, H)
