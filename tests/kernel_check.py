@@ -7,9 +7,10 @@ import sys
 
 import torch
 
-from engine.cuda.kernels import (ACT_LORA, ACT_NONE, ACT_RELU_SQUARE, ln_shift_mix, ln_shift_mix_ref,
+from engine.cuda.kernels import (ACT_NONE, ACT_RELU_SQUARE, ln_shift_mix, ln_shift_mix_ref,
                                  prefill_ln_shift_mix, prefill_ln_shift_mix_ref, prefill_mix_in, prefill_mix_in_ref,
                                  prefill_mix_out, prefill_mix_out_ref, relu_square_, small_matmul, small_matmul_ref,
+                                 lora_up, pack_time_mix_in, small_matmul_partials, time_mix_in,
                                  wkv7_decode, wkv7_decode_ref)
 from engine.cuda.model import CudaRwkv7
 from engine.demo import random_state_dict
@@ -55,20 +56,83 @@ def check_kernels() -> None:
 
 def check_small_matmul() -> None:
     gen = torch.Generator().manual_seed(3)
-    for G, M, N, K, act in ((3, 1, 48, 96, ACT_NONE), (4, 5, 24, 80, ACT_LORA), (1, 16, 70, 130, ACT_RELU_SQUARE)):
+    for G, M, N, K, act in ((3, 1, 48, 96, ACT_NONE), (4, 5, 24, 80, ACT_NONE), (1, 16, 70, 130, ACT_RELU_SQUARE)):
         x, w = torch.randn(G, M, K, generator=gen), torch.randn(G, N, K, generator=gen) / K ** 0.5
         res = torch.randn(M, N, generator=gen) if G == 1 else None
         got = small_matmul(x, w, act, residual=res)
         assert rel(got, small_matmul_ref(x, w, act, residual=res)) < 1e-5, ("small_matmul", G, M, N, K, act)
     x, w = torch.randn(4, 3, 64, generator=gen), torch.randn(4, 40, 64, generator=gen) / 8
     for dt, tol in ((torch.bfloat16, 2e-2), (torch.float16, 2e-3)):  # half-precision weights and activations
-        got = small_matmul(x.to(dt), w.to(dt), ACT_LORA)
-        assert got.dtype == dt and rel(got, small_matmul_ref(x, w, ACT_LORA)) < tol, ("small_matmul", dt)
+        got = small_matmul(x.to(dt), w.to(dt), ACT_RELU_SQUARE)
+        assert got.dtype == dt and rel(got, small_matmul_ref(x, w, ACT_RELU_SQUARE)) < tol, ("small_matmul", dt)
     x = torch.randn(2, 6, 32, generator=gen)[1]  # a strided 2-D view: rows must still be read right
     w = torch.randn(20, 32, generator=gen)
     assert rel(small_matmul(x, w), x @ w.T) < 1e-5
     h = torch.randn(3, 4097, generator=gen)
     assert torch.equal(relu_square_(h.clone()), torch.relu(h).square())
+
+
+def check_split_k() -> None:
+    """Split-K partial sums: added up by ``ln_shift_mix`` (the residual) and ``wkv7_decode`` (r, k, v)."""
+    gen = torch.Generator().manual_seed(5)
+    M, K, N = 3, 96, 40
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen) / K ** 0.5
+    for split in (1, 2, 4):  # 96 / 4 = 24: slices narrower than the kernel's K step
+        part = small_matmul_partials(x, w, split)
+        assert part.shape == (split, M, N) and part.dtype == torch.float32
+        assert rel(part.sum(0), x @ w.T) < 1e-5, ("partials", split)
+        if split > 1:
+            assert rel(part[0], x[:, :K // split] @ w[:, :K // split].T) < 1e-5, ("first slice", split)
+    S, C, slots = 5, 32, torch.tensor([4, 1, 2])
+    res, part = torch.randn(M, C, generator=gen), torch.randn(3, M, C, generator=gen)
+    shift, mix, ln = torch.randn(S, C, generator=gen), torch.rand(7, C, generator=gen), (torch.rand(C) + .5, torch.randn(C))
+    x, twin_x, twin_shift = res.clone(), res.clone(), shift.clone()
+    out, twin_out = torch.empty(7, M, C), torch.empty(7, M, C)
+    ln_shift_mix(x, ln, shift, slots, mix, out, partials=part)
+    ln_shift_mix_ref(twin_x, ln, twin_shift, slots, mix, twin_out, partials=part)
+    assert rel(x, res + part.sum(0)) < 1e-6 and rel(out, twin_out) < 1e-5 and rel(shift, twin_shift) < 1e-5
+
+
+def check_time_mix_in() -> None:
+    """r/k/v and the four LoRAs at their own ranks (one of them 0, as layer 0's value LoRA; one not a multiple
+    of 64) in one split-K launch, then the LoRA ups (activations applied to the summed partials), against plain
+    torch; also the LoRAs without r/k/v; and r/k/v straight from the partials into the wkv kernel."""
+    gen = torch.Generator().manual_seed(4)
+    C, M, ranks = 64, 3, (64, 32, 0, 40)
+    rkv = [torch.randn(C, C, generator=gen) / C ** 0.5 for _ in range(3)]
+    down = [torch.randn(r, C, generator=gen) / C ** 0.5 for r in ranks]
+    up = [torch.randn(C, r, generator=gen) for r in ranks]
+    mixed = torch.randn(7, M, C, generator=gen)
+    for with_rkv, split in ((True, 2), (False, 1)):
+        packed_in, packed_up, packed_ranks = pack_time_mix_in(rkv if with_rkv else [], down, up)
+        assert packed_ranks == (64, 64, 64, 64)
+        y = time_mix_in(mixed, packed_in, packed_ranks, split)
+        assert y.shape == (split, M, packed_in.shape[0])
+        lo = y[:, :, 3 * C:] if with_rkv else y
+        for j in range(3 if with_rkv else 0):
+            assert rel(y[:, :, j * C:(j + 1) * C].sum(0), mixed[j] @ rkv[j].T) < 1e-5, ("rkv", j)
+        offsets = [sum(packed_ranks[:j]) for j in range(4)]
+        for j, r in enumerate(ranks):
+            got = lo.sum(0)[:, offsets[j]:offsets[j] + packed_ranks[j]]
+            assert rel(got[:, :r], mixed[3 + j] @ down[j].T) < 1e-5 if r else True, ("lora down", j)
+            assert torch.all(got[:, r:] == 0), ("lora padding", j)
+        out = lora_up(lo, packed_up, packed_ranks, torch.float32)
+        for j, r in enumerate(ranks):
+            act = lo.sum(0)[:, offsets[j]:offsets[j] + r]
+            act = act.tanh() if j == 0 else act.sigmoid() if j == 3 else act
+            assert rel(out[j], act @ up[j].T) < 1e-5 if r else torch.all(out[j] == 0), ("lora up", j)
+    H, N, B, slots = 2, 32, M, torch.tensor([2, 0, 1])
+    state = torch.randn(3, H, N, N, generator=gen) * 0.3
+    twin_state = state.clone()
+    vecs = [torch.randn(B, C, generator=gen) for _ in range(5)]
+    p = {n: torch.randn(C, generator=gen) for n in ("w0", "a0", "v0", "k_k", "k_a", "ln_x.weight", "ln_x.bias")}
+    p["r_k"] = torch.randn(H, N, generator=gen)
+    v_first, twin_first = vecs[4].clone(), vecs[4].clone()
+    out, twin_out = torch.empty(B, C), torch.empty(B, C)
+    r, k, v = (y[:, :, j * C:(j + 1) * C] for j in range(3))
+    wkv7_decode(state, slots, r, k, v, *vecs[:4], v_first, p, 1, 64e-5, out)
+    wkv7_decode_ref(twin_state, slots, r.sum(0), k.sum(0), v.sum(0), *vecs[:4], twin_first, p, 1, 64e-5, twin_out)
+    assert rel(out, twin_out) < 1e-5 and rel(state, twin_state) < 1e-5, "wkv from partials"
 
 
 def check_prefill_mix() -> None:
@@ -149,6 +213,8 @@ def check_half_precision_decode() -> None:
 if __name__ == "__main__":
     check_kernels()
     check_small_matmul()
+    check_split_k()
+    check_time_mix_in()
     check_prefill_mix()
     check_decode_path()
     check_half_precision_decode()

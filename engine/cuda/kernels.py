@@ -64,8 +64,9 @@ def _wait_for_predecessor(PDL: tl.constexpr):
 @triton.jit
 def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                         w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
-                        B, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
-                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, LARGE_BATCH: tl.constexpr):
+                        B, rkv_stride, rkv_split_stride, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
+                        IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, LARGE_BATCH: tl.constexpr,
+                        SPLIT_IN: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + b).to(tl.int64)
@@ -80,9 +81,10 @@ def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_firs
     k_a_h = tl.load(k_a + offs).to(tl.float32)
     w0_h = tl.load(w0 + offs).to(tl.float32)
     _wait_for_predecessor(PDL)
-    rr = tl.load(r + row).to(tl.float32)
-    kr = tl.load(k + row).to(tl.float32)
-    vr = tl.load(v + row).to(tl.float32)
+    rkv_row = b * rkv_stride + offs  # r, k, v: column blocks of one packed projection, or its split-K partials
+    rr = _sum_partials(r + rkv_row, rkv_split_stride, offs < C, SPLIT_IN).to(tl.float32)
+    kr = _sum_partials(k + rkv_row, rkv_split_stride, offs < C, SPLIT_IN).to(tl.float32)
+    vr = _sum_partials(v + rkv_row, rkv_split_stride, offs < C, SPLIT_IN).to(tl.float32)
     iclr = tl.sigmoid(a0_h + tl.load(a_lora + row).to(tl.float32))
     if IS_FIRST_LAYER:
         vv = vr
@@ -123,28 +125,32 @@ _wkv7_decode_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for
 
 def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lora, v_lora, g, v_first,
                 p: dict, layer: int, eps: float, out: torch.Tensor, large_batch: bool = False) -> torch.Tensor:
-    """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view.
+    """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view; ``r``,
+    ``k``, ``v`` share a row stride, the other rows are contiguous. ``r``, ``k``, ``v`` may be ``[S, B, C]``:
+    a split-K projection's fp32 partial sums, added here.
     ``large_batch``: the cuBLAS decode path (launched with PDL, tuned apart: see the module's doc)."""
-    B, C = r.shape
+    r3, k3, v3 = (t if t.dim() == 3 else t[None] for t in (r, k, v))
+    _, B, C = r3.shape
     H, N = state.shape[1], state.shape[2]
+    assert r3.stride() == k3.stride() == v3.stride() and r3.stride(2) == 1
     use_pdl = large_batch and pdl(state.device)
     kernel, extra = ((_wkv7_decode_tuned, {"launch_pdl": use_pdl}) if state.is_cuda
                      else (_wkv7_decode_kernel, {"num_warps": 4}))
     kernel[(B, H)](
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
-        p["ln_x.bias"], out, B, H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
-        PDL=use_pdl, LARGE_BATCH=large_batch, **extra)
+        p["ln_x.bias"], out, B, r3.stride(1), r3.stride(0), H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
+        PDL=use_pdl, LARGE_BATCH=large_batch, SPLIT_IN=r3.shape[0], **extra)
     return out
 
 
 def wkv7_decode_ref(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first, p: dict, layer: int,
                     eps: float, out: torch.Tensor) -> torch.Tensor:
     """Plain-torch twin of ``wkv7_decode`` (same inputs, same in-place effects)."""
+    f = lambda t: t.float()  # noqa: E731
+    r, k, v = (f(t).sum(0) if t.dim() == 3 else f(t) for t in (r, k, v))
     B, C = r.shape
     H, N = state.shape[1], state.shape[2]
-    f = lambda t: t.float()  # noqa: E731
-    r, k, v = f(r), f(k), f(v)
     iclr = torch.sigmoid(f(p["a0"]) + f(a_lora))
     if layer == 0:
         v_first.copy_(v.to(v_first.dtype))
@@ -172,6 +178,16 @@ def shift_mix_ref(x, shift, slots, mix, out):
 
 
 @triton.jit
+def _sum_partials(ptr, stride, mask, SPLIT: tl.constexpr):
+    """Σ over a split-K projection's SPLIT fp32 partial sums, in a fixed order (the result is the same whichever
+    program wrote first)."""
+    total = tl.load(ptr, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        total += tl.load(ptr + s * stride, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
 def _layer_norm_row(x_row, mask, w, bias, C: tl.constexpr, eps):
     """LayerNorm of one fp32 row (masked tail ignored)."""
     mean = tl.sum(x_row, axis=0) / C
@@ -190,9 +206,11 @@ def _store_mixes(xb, prev, mix, out, row, rows, offs, mask, C: tl.constexpr, K: 
 
 
 @triton.jit
-def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
-                         C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """LayerNorm of one row fused with its token-shift mixes (one launch instead of two)."""
+def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, part, part_stride, B, eps,
+                         C: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                         SPLIT_IN: tl.constexpr):
+    """LayerNorm of one row fused with its token-shift mixes (one launch instead of two); first, with
+    ``SPLIT_IN`` partial sums of a split-K projection, the residual add ``x += Σ part`` (in place)."""
     b = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < C
@@ -203,48 +221,89 @@ def _ln_shift_mix_kernel(x, ln_w, ln_b, shift, slots, mix, out, B, eps,
     bias = tl.load(ln_b + offs, mask=mask).to(tl.float32)
     _wait_for_predecessor(PDL)
     xf = tl.load(x + b * C + offs, mask=mask, other=0.0).to(tl.float32)
+    if SPLIT_IN > 0:
+        xf += _sum_partials(part + b * C + offs, part_stride, mask, SPLIT_IN)
+        xr = xf.to(x.dtype.element_ty)  # the residual stream as the unsplit projection rounds it
+        tl.store(x + b * C + offs, xr, mask=mask)
+        xf = xr.to(tl.float32)
     xb = _layer_norm_row(xf, mask, w, bias, C, eps).to(x.dtype.element_ty)  # rounded as an unfused LayerNorm
     tl.store(shift + slot * C + offs, xb.to(shift.dtype.element_ty), mask=mask)
     _store_mixes(xb, prev.to(x.dtype.element_ty), mix, out, b, B, offs, mask, C, K)
 
 
 def ln_shift_mix(x: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor], shift: torch.Tensor, slots: torch.Tensor,
-                 mix: torch.Tensor, out: torch.Tensor, eps: float = 1e-5, large_batch: bool = False) -> torch.Tensor:
+                 mix: torch.Tensor, out: torch.Tensor, eps: float = 1e-5, large_batch: bool = False,
+                 partials: torch.Tensor | None = None) -> torch.Tensor:
     """``xx = LayerNorm(x)``; ``out[j, b] = xx[b] + (shift[slot_b] - xx[b]) * mix[j]``; ``shift[slot_b] = xx[b]``.
+    ``partials`` ([S, B, C] fp32, a split-K projection's): first ``x += Σ partials``, in place.
     ``large_batch``: the cuBLAS decode path (launched with PDL: see the module's doc)."""
     B, C = x.shape
     BLOCK = triton.next_power_of_2(C)
     use_pdl = large_batch and pdl(x.device)
     launch = {"launch_pdl": True} if use_pdl else {}
-    _ln_shift_mix_kernel[(B,)](x, ln[0], ln[1], shift, slots, mix, out, B, eps, C=C, K=mix.shape[0], BLOCK=BLOCK,
-                               PDL=use_pdl, num_warps=8 if BLOCK >= 2048 else 4, **launch)
+    assert x.is_contiguous() and (partials is None or partials.is_contiguous())
+    part = partials if partials is not None else x
+    _ln_shift_mix_kernel[(B,)](x, ln[0], ln[1], shift, slots, mix, out, part, B * C, B, eps, C=C, K=mix.shape[0],
+                               BLOCK=BLOCK, PDL=use_pdl, SPLIT_IN=0 if partials is None else partials.shape[0],
+                               num_warps=8 if BLOCK >= 2048 else 4, **launch)
     return out
 
 
-def ln_shift_mix_ref(x, ln, shift, slots, mix, out, eps: float = 1e-5):
+def ln_shift_mix_ref(x, ln, shift, slots, mix, out, eps: float = 1e-5, partials=None):
+    if partials is not None:
+        x.copy_((x.float() + partials.sum(0)).to(x.dtype))
     return shift_mix_ref(torch.nn.functional.layer_norm(x, (x.shape[1],), *ln, eps=eps), shift, slots, mix, out)
 
 
-ACT_NONE, ACT_RELU_SQUARE, ACT_LORA = 0, 1, 2  # ACT_LORA: tanh on group 0 (decay), sigmoid on group 3 (gate)
+ACT_NONE, ACT_RELU_SQUARE = 0, 1
+PACK_NONE, PACK_TIME_MIX_IN, PACK_LORA_UP = 0, 1, 2
 
 
 @triton.jit
-def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
+def _small_matmul_kernel(x, w, out, res, M, N, K, sxs, sxg, sxm, sos, sog, som,
                          ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``."""
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT: tl.constexpr = 1, SPLIT_IN: tl.constexpr = 0,
+                         PACK: tl.constexpr = 0, GC: tl.constexpr = 0, R0: tl.constexpr = 0, R1: tl.constexpr = 0,
+                         R2: tl.constexpr = 0):
+    """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``.
+    ``SPLIT``: split-K, program (n, g, s) writes the fp32 partial sum over its K/SPLIT slice to ``out[s, g]``
+    (with ACT_NONE, no residual: the consumer adds the partials up). ``SPLIT_IN`` ≥ 1: ``x`` is such partials
+    (summed here; with PACK 2, the LoRA activations applied).
+    ``PACK``: the time mix's input projections, each at its own size, in one launch (``time_mix_in``,
+    ``lora_up``): r/k/v (GC rows each) and the four LoRAs (ranks R0..R3)."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_base = x + g * sxg + offs_m[:, None] * sxm
     w_base = w + g * N * K + offs_n[:, None].to(tl.int64) * K
-    for k0 in range(0, K, BLOCK_K):
+    if PACK == 1:  # w: [3·GC + R, K] = r, k, v, LoRA downs; a block's rows read mix g (GC, ranks: multiples of it)
+        first = pid_n * BLOCK_N
+        g = ((first >= GC).to(tl.int64) + (first >= 2 * GC).to(tl.int64) + (first >= 3 * GC).to(tl.int64)
+             + (first >= 3 * GC + R0).to(tl.int64) + (first >= 3 * GC + R0 + R1).to(tl.int64)
+             + (first >= 3 * GC + R0 + R1 + R2).to(tl.int64))
+        w_base = w + offs_n[:, None].to(tl.int64) * K
+    x_base = x + g * sxg + offs_m[:, None] * sxm
+    if PACK == 2:  # x: [M, R] the LoRA downs; LoRA g reads its R_g columns and its own [N, R_g] weights
+        offset = tl.where(g == 0, 0, tl.where(g == 1, R0, tl.where(g == 2, R0 + R1, R0 + R1 + R2)))
+        K = tl.where(g == 0, R0, tl.where(g == 1, R1, tl.where(g == 2, R2, K - R0 - R1 - R2)))
+        x_base = x + offset + offs_m[:, None] * sxm
+        w_base = w + N * offset + offs_n[:, None].to(tl.int64) * K
+    k_slice = tl.cdiv(K, SPLIT)
+    k_end = tl.minimum(K, (split + 1) * k_slice)
+    for k0 in range(split * k_slice, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        xt = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        k_mask = offs_k < k_end
+        if SPLIT_IN == 0:
+            xt = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        else:
+            xt = _sum_partials(x_base + offs_k[None, :], sxs, m_mask[:, None] & k_mask[None, :], SPLIT_IN)
+            if PACK == 2:  # the LoRA downs' activations: tanh on w (0), sigmoid on g (3)
+                xt = tl.where(g == 0, 2.0 * tl.sigmoid(2.0 * xt) - 1.0, tl.where(g == 3, tl.sigmoid(xt), xt))
+            xt = xt.to(w.dtype.element_ty)  # rounded as the unsplit projection's output
         wt = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:  # Triton's CPU interpreter computes bf16 dots wrongly: it gets fp32 tiles
             acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
@@ -255,23 +314,52 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxg, sxm, sog, som,
     if ACT == 1:
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
-    if ACT == 2:
-        tanh = 2.0 * tl.sigmoid(2.0 * acc) - 1.0
-        acc = tl.where(g == 0, tanh, tl.where(g == 3, tl.sigmoid(acc), acc))
     mask = m_mask[:, None] & n_mask[None, :]
     if HAS_RES:
         acc += tl.load(res + offs_m[:, None] * som + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + g * sog + offs_m[:, None] * som + offs_n[None, :], acc.to(out.dtype.element_ty), mask=mask)
+    tl.store(out + split * sos + g * sog + offs_m[:, None] * som + offs_n[None, :], acc.to(out.dtype.element_ty),
+             mask=mask)
 
 
 _small_matmul_tuned = triton.autotune(
-    # one program per 16-32 output rows streams its weights: bandwidth needs ≥ 32-64 KiB in flight per SM
+    # H200, 1.5B shapes (.gpu/gemv.py): 64 output rows × 128-wide K steps per program, with split-K where the
+    # launch would have fewer than ~3 programs per SM, stream 1.8-3.3 TB/s; 16 × 256 without split: 1.3-3.1
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for n, k, s, w in ((16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 4), (16, 1024, 3, 8),
-                                (32, 512, 3, 8))],
-    key=["N", "K", "BLOCK_M"])(_small_matmul_kernel)
+             for n, k, s, w in ((64, 128, 3, 4), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4),
+                                (16, 512, 4, 4))],
+    key=["N", "K", "BLOCK_M", "PACK", "SPLIT", "SPLIT_IN"])(_small_matmul_kernel)
 
 SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernel instead of cuBLAS
+LORA_RANK_MULTIPLE = 64  # packed LoRA ranks are padded to this (a multiple of every BLOCK_N)
+PROGRAMS_PER_SM = 3  # split-K until a launch has about this many programs per SM (64-row blocks)
+MAX_SPLIT = 8
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k(rows: int, K: int, device: torch.device) -> int:
+    """How many K slices a weight-streaming launch over ``rows`` output rows should have: enough programs to
+    keep every SM's loads in flight, each slice ≥ 256 wide. Depends on the shape only, never on the batch (a
+    row's sum must not depend on its step's batch size)."""
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    split = 1
+    while split < MAX_SPLIT and triton.cdiv(rows, 64) * split < PROGRAMS_PER_SM * sms and K // (2 * split) >= 256:
+        split *= 2
+    return split
+
+
+def _launch_small_matmul(x, w, out, res, M: int, N: int, K: int, G: int, x_strides: tuple[int, int, int],
+                         out_strides: tuple[int, int, int], split: int = 1, **flags) -> None:
+    args = (x, w, out, res, M, N, K, *x_strides, *out_strides)
+    flags.update(IEEE=w.dtype == torch.float32, UPCAST=not x.is_cuda, BLOCK_M=16, SPLIT=split)
+    if x.is_cuda:
+        _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G, split)](*args, **flags)
+    else:  # the interpreter: one fixed configuration
+        _small_matmul_kernel[(triton.cdiv(N, 16), G, split)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
 
 
 def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual: torch.Tensor | None = None,
@@ -287,22 +375,70 @@ def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual
         out = torch.empty(G, M, N, dtype=x.dtype, device=x.device)
     out3 = out[None] if out.dim() == 2 else out
     res = residual if residual is not None else out3
-    args = (x3, w3, out3, res, M, N, K, x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1))
-    flags = dict(ACT=act, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda,
-                 BLOCK_M=16)
-    if x.is_cuda:
-        _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G)](*args, **flags)
-    else:  # the interpreter: one fixed configuration
-        _small_matmul_kernel[(triton.cdiv(N, 16), G)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
+    _launch_small_matmul(x3, w3, out3, res, M, N, K, G, (0, x3.stride(0), x3.stride(1)),
+                         (0, out3.stride(0), out3.stride(1)), ACT=act, HAS_RES=residual is not None)
     return out3[0] if squeeze else out3
+
+
+def small_matmul_partials(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
+    """``x @ w.T`` (``x`` [M, K], M ≤ 16; ``w`` [N, K]) split ``split`` ways along K: the fp32 partial sums
+    ``[split, M, N]`` — more programs stream the weights; the consumer adds them up (``ln_shift_mix``)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert M <= SMALL_MATMUL_MAX_ROWS and x.stride(1) == 1 and w.is_contiguous()
+    out = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _launch_small_matmul(x, w, out, out, M, N, K, 1, (0, 0, x.stride(0)), (out.stride(0), 0, N), split,
+                         ACT=ACT_NONE, HAS_RES=False)
+    return out
+
+
+def pack_time_mix_in(rkv: list[torch.Tensor], down: list[torch.Tensor], up: list[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Weights for ``time_mix_in``/``lora_up``: r/k/v [C, C] and the four LoRAs (w, a, v, g), ``down[j]``
+    [r_j, C] and ``up[j]`` [C, r_j] (nn.Linear layout) → (r, k, v, downs stacked [3C + R, C]; ups back to back,
+    flat; ranks). Each rank is zero-padded to a multiple of 64 (a rank of 0 — layer 0's unused value LoRA —
+    becomes 64 zeros); ``rkv`` may be empty (LoRAs only)."""
+    ranks = tuple(max(LORA_RANK_MULTIPLE, -(-d.shape[0] // LORA_RANK_MULTIPLE) * LORA_RANK_MULTIPLE) for d in down)
+    rows = lambda t, n: torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[0]))  # noqa: E731
+    cols = lambda t, n: torch.nn.functional.pad(t, (0, n - t.shape[1]))  # noqa: E731
+    packed_in = torch.cat([*rkv, *(rows(d, r) for d, r in zip(down, ranks))]).contiguous()
+    packed_up = torch.cat([cols(u, r).reshape(-1) for u, r in zip(up, ranks)]).contiguous()
+    return packed_in, packed_up, ranks
+
+
+def time_mix_in(mixed: torch.Tensor, w: torch.Tensor, ranks: tuple[int, ...], split: int) -> torch.Tensor:
+    """The time mix's input projections in one launch, each read at its own size, split-K ``split`` ways:
+    ``mixed`` [7, M, C] (the mixes r, k, v, w, a, v, g); ``w`` from ``pack_time_mix_in`` → fp32 partial sums
+    ``[split, M, 3C + R]``: r, k, v, then the four LoRA downs (LoRA j in its R_j columns, before its
+    activation: ``lora_up`` applies it). Without r/k/v in ``w``: ``[split, M, R]``."""
+    _, M, K = mixed.shape
+    N = w.shape[0]
+    rkv_rows = (N - sum(ranks)) // 3
+    assert M <= SMALL_MATMUL_MAX_ROWS and mixed.stride(2) == 1 and rkv_rows in (0, K)
+    out = torch.empty(split, M, N, dtype=torch.float32, device=mixed.device)
+    _launch_small_matmul(mixed, w, out, out, M, N, K, 1, (0, mixed.stride(0), mixed.stride(1)),
+                         (out.stride(0), 0, N), split, ACT=ACT_NONE, HAS_RES=False, PACK=PACK_TIME_MIX_IN,
+                         GC=rkv_rows, R0=ranks[0], R1=ranks[1], R2=ranks[2])
+    return out
+
+
+def lora_up(lo: torch.Tensor, w: torch.Tensor, ranks: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The four LoRA up projections: ``lo`` [S, M, R], ``time_mix_in``'s partial sums of the downs (a column
+    slice) → ``[4, M, C]`` in ``dtype``; the downs' activations (tanh on w, sigmoid on g) are applied here."""
+    S, M, R = lo.shape
+    N = w.numel() // R
+    assert lo.stride(2) == 1 and R == sum(ranks)
+    out = torch.empty(4, M, N, dtype=dtype, device=lo.device)
+    _launch_small_matmul(lo, w, out, out, M, N, R, 4, (lo.stride(0), 0, lo.stride(1)),
+                         (0, out.stride(0), out.stride(1)), ACT=ACT_NONE, HAS_RES=False, SPLIT_IN=S,
+                         PACK=PACK_LORA_UP, R0=ranks[0], R1=ranks[1], R2=ranks[2])
+    return out
 
 
 def small_matmul_ref(x, w, act: int = ACT_NONE, residual=None):
     y = torch.matmul(x.float(), w.float().transpose(-1, -2))
     if act == ACT_RELU_SQUARE:
         y = torch.relu(y).square()
-    elif act == ACT_LORA:
-        y = torch.stack([y[0].tanh(), y[1], y[2], y[3].sigmoid()])
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)

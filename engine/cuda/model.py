@@ -6,7 +6,8 @@ at the prefill boundary).
 
 Decode per layer: LayerNorm fused with the token-shift mix (7 mixes, shift
 state gathered/scattered by slot) → r/k/v projections → the four LoRA down
-projections (zero-padded to one rank) with tanh/sigmoid → the four LoRA ups →
+projections with tanh/sigmoid → the four LoRA ups (cuBLAS: zero-padded to one rank;
+the small-batch kernels read each LoRA at its own rank, no padding) →
 fused wkv kernel (decay, iclr, value residual, key update, state update,
 readout, GroupNorm, bonus, gate) → output projection + residual → LayerNorm
 fused with the FFN shift mix → key projection, relu² → value projection +
@@ -27,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.cuda.graphs import DecodeGraphs
-from engine.cuda.kernels import (ACT_LORA, ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, prefill_ln_shift_mix,
-                                 prefill_mix_in, prefill_mix_out, relu_square_, small_matmul, wkv7_decode)
+from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, lora_up, pack_time_mix_in,
+                                 prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out, relu_square_, small_matmul,
+                                 small_matmul_partials, split_k, time_mix_in, wkv7_decode)
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -44,9 +46,11 @@ class Layer:
     ln1: tuple[torch.Tensor, torch.Tensor]
     ln2: tuple[torch.Tensor, torch.Tensor]
     att_mix: torch.Tensor  # [7, C]
-    rkv: torch.Tensor  # [3, C, C] (out, in)
-    lora_down: torch.Tensor  # [4, D, C] zero-padded ranks (out, in)
+    rkv: torch.Tensor  # [3, C, C] (out, in): a view of time_mix_in
+    lora_down: torch.Tensor  # [4, D, C] zero-padded to the largest rank (out, in): cuBLAS batches
     lora_up: torch.Tensor  # [4, C, D]
+    time_mix_in: tuple  # (r, k, v, LoRA downs [3C + R, C]; LoRA ups flat; ranks): the small-batch kernels'
+    splits: tuple[int, int, int]  # split-K of the small-batch time_mix_in, output and FFN value projections
     output: torch.Tensor  # [C, C] (out, in)
     ffn_mix: torch.Tensor  # [1, C]
     ffn_key: torch.Tensor  # [F, C]
@@ -76,7 +80,7 @@ class CudaRwkv7:
 
     def _prepare_layer(self, t: dict, i: int) -> Layer:
         p = lambda name: t[f"blocks.{i}.{name}"]  # noqa: E731
-        C, dt = self.shape.n_embd, self.dtype
+        C, dt, dev = self.shape.n_embd, self.dtype, self.emb.device
         ranks = [p(f"att.{x}1").shape[1] if (x != "v" or i > 0) else 0 for x in LORA_ORDER]
         D = max(ranks)
         down = torch.zeros(4, D, C, dtype=dt, device=self.emb.device)
@@ -84,13 +88,16 @@ class CudaRwkv7:
         for j, (x, r) in enumerate(zip(LORA_ORDER, ranks)):
             if r:  # official layout is (in, out): x @ w1 @ w2
                 down[j, :r], up[j, :, :r] = p(f"att.{x}1").t(), p(f"att.{x}2").t()
+        packed = pack_time_mix_in([p(f"att.{n}.weight") for n in ("receptance", "key", "value")],
+                                  [down[j, :r] for j, r in enumerate(ranks)], [up[j, :, :r] for j, r in enumerate(ranks)])
         vec = {n: p(f"att.{n}") for n in ("w0", "a0", "k_k", "k_a", "r_k", "ln_x.weight", "ln_x.bias")}
         vec["v0"] = p("att.v0") if i > 0 else vec["a0"]
         return Layer(
             ln1=(p("ln1.weight"), p("ln1.bias")), ln2=(p("ln2.weight"), p("ln2.bias")),
             att_mix=torch.stack([p(f"att.x_{x}") for x in ATT_MIX_ORDER]).to(dt).contiguous(),
-            rkv=torch.stack([p(f"att.{n}.weight") for n in ("receptance", "key", "value")]).contiguous(),
-            lora_down=down, lora_up=up, output=p("att.output.weight"),
+            rkv=packed[0][:3 * C].view(3, C, C), lora_down=down, lora_up=up, time_mix_in=packed,
+            output=p("att.output.weight"), splits=(split_k(packed[0].shape[0], C, dev), split_k(C, C, dev),
+                                                   split_k(C, 4 * C, dev)),
             ffn_mix=p("ffn.x_k").to(dt)[None].contiguous(), ffn_key=p("ffn.key.weight"),
             ffn_value=p("ffn.value.weight"), p=vec)
 
@@ -103,50 +110,64 @@ class CudaRwkv7:
         return self._decode_eager(token_ids, slots)
 
     def _decode_eager(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if token_ids.shape[0] <= self.small_batch_max:
+            return self._decode_small(token_ids, slots)
         pool, C = self.pool, self.shape.n_embd
         B = token_ids.shape[0]
-        small = B <= self.small_batch_max
         x = self.emb[token_ids]
         v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
         att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
         ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
         att = torch.empty(B, C, dtype=self.dtype, device=x.device)
         for i, L in enumerate(self.layers):
-            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, large_batch=not small)
-            rkv, up = self._time_mix_projections(L, att_mixed, small)
+            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, large_batch=True)
+            rkv, up = self._time_mix_projections(L, att_mixed)
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
-                        L.p, i, self.eps, att, large_batch=not small)
-            x = self._project(att, L.output, x, small)
-            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=not small)
-            x = self._channel_mix(L, ffn_mixed[0], x, small)
+                        L.p, i, self.eps, att, large_batch=True)
+            x.addmm_(att, L.output.t())
+            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=True)
+            self._channel_mix(L, ffn_mixed[0], x)
+        return self._head(F.layer_norm(x, (C,), *self.ln_out))
+
+    def _decode_small(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Up to 16 rows: every projection streams its weights through our kernel, split along K where that
+        puts more loads in flight (the r/k/v + LoRA, output and FFN value projections); their fp32 partial
+        sums are added by the kernel that consumes them (LoRA up, wkv, the next LayerNorm: residual)."""
+        pool, C = self.pool, self.shape.n_embd
+        B = token_ids.shape[0]
+        x = self.emb[token_ids]
+        v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
+        att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
+        ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
+        att = torch.empty(B, C, dtype=self.dtype, device=x.device)
+        residual = None  # the last projection's partial sums, not yet added to x
+        for i, L in enumerate(self.layers):
+            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, partials=residual)
+            w_in, w_up, ranks = L.time_mix_in
+            y = time_mix_in(att_mixed, w_in, ranks, L.splits[0])
+            up = lora_up(y[:, :, 3 * C:], w_up, ranks, self.dtype)
+            wkv7_decode(pool.wkv[i], slots, y[:, :, :C], y[:, :, C:2 * C], y[:, :, 2 * C:3 * C], up[0], up[1],
+                        up[2], up[3], v_first, L.p, i, self.eps, att)
+            residual = small_matmul_partials(att, L.output, L.splits[1])
+            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, partials=residual)
+            h = small_matmul(ffn_mixed[0], L.ffn_key, ACT_RELU_SQUARE)
+            residual = small_matmul_partials(h, L.ffn_value, L.splits[2])
+        x = (x.float() + residual.sum(0)).to(self.dtype)
         return self._head(F.layer_norm(x, (C,), *self.ln_out))
 
     @staticmethod
-    def _time_mix_projections(L: Layer, mixed: torch.Tensor, small: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """r/k/v ``[3, T, C]`` from mixes 0-2 and the four LoRA outputs (w, a, v, g) ``[4, T, C]`` from mixes 3-6:
-        through the weight-streaming kernel (activations fused) for a few rows, else cuBLAS."""
-        if small:
-            return (small_matmul(mixed[0:3], L.rkv),
-                    small_matmul(small_matmul(mixed[3:7], L.lora_down, ACT_LORA), L.lora_up))
+    def _time_mix_projections(L: Layer, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cuBLAS: r/k/v ``[3, T, C]`` from mixes 0-2 and the four LoRA outputs (w, a, v, g) ``[4, T, C]`` from
+        mixes 3-6 (zero-padded to one rank)."""
         lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
         lo[0].tanh_()
         lo[3].sigmoid_()
         return torch.bmm(mixed[0:3], L.rkv.transpose(1, 2)), torch.bmm(lo, L.lora_up.transpose(1, 2))
 
-    def _channel_mix(self, L: Layer, mixed: torch.Tensor, x: torch.Tensor, small: bool) -> torch.Tensor:
-        """``x + relu(mixed @ key.T)² @ value.T``."""
-        if small:
-            h = small_matmul(mixed, L.ffn_key, ACT_RELU_SQUARE)
-        else:
-            h = relu_square_(F.linear(mixed, L.ffn_key))
-        return self._project(h, L.ffn_value, x, small)
-
     @staticmethod
-    def _project(h: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, small: bool) -> torch.Tensor:
-        """``residual + h @ weight.T``: fused in the small kernel; in place (no copy of the residual) on cuBLAS."""
-        if small:
-            return small_matmul(h, weight, residual=residual)
-        return residual.addmm_(h, weight.t())
+    def _channel_mix(L: Layer, mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """cuBLAS: ``x + relu(mixed @ key.T)² @ value.T``, in place."""
+        return x.addmm_(relu_square_(F.linear(mixed, L.ffn_key)), L.ffn_value.t())
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight out of the matmul where torch can (no separate [B, vocab] cast pass)."""
@@ -179,9 +200,9 @@ class CudaRwkv7:
         for i, L in enumerate(self.layers):
             mixed = prefill_ln_shift_mix(x, L.ln1, self.pool.att_shift[i], slot_t, prev_slot, end_seq, L.att_mix)
             att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
-            x = self._project(att, L.output, x, small=False)
+            x.addmm_(att, L.output.t())
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
-            x = self._channel_mix(L, kx, x, small=False)
+            self._channel_mix(L, kx, x)
         return self._head(F.layer_norm(x[cu[1:] - 1], (self.shape.n_embd,), *self.ln_out))
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
@@ -189,7 +210,7 @@ class CudaRwkv7:
 
         T, C = mixed.shape[1], self.shape.n_embd
         H, N = self.shape.n_head, self.shape.head_size
-        (r, k, v), up = self._time_mix_projections(L, mixed, small=False)
+        (r, k, v), up = self._time_mix_projections(L, mixed)
         if i == 0:
             v_first = torch.empty_like(v)
         log_decay, k2, v, a, b, bonus = prefill_mix_in(r, k, v, up[0], up[1], up[2], v_first, L.p, i, H)
