@@ -292,11 +292,12 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxs, sxg, sxm, sos, sog, som,
         K = tl.where(g == 0, R0, tl.where(g == 1, R1, tl.where(g == 2, R2, K - R0 - R1 - R2)))
         x_base = x + offset + offs_m[:, None] * sxm
         w_base = w + N * offset + offs_n[:, None].to(tl.int64) * K
-    k_slice = tl.cdiv(K, SPLIT)
-    k_end = tl.minimum(K, (split + 1) * k_slice)
-    for k0 in range(split * k_slice, k_end, BLOCK_K):
+    # slices of whole BLOCK_K steps: the only mask is K's (a multiple of 16 the compiler knows of, so the loads
+    # stay vectorised; a computed slice end as the bound made them scalar)
+    k_slice = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    for k0 in range(split * k_slice, tl.minimum(K, (split + 1) * k_slice), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
+        k_mask = offs_k < K
         if SPLIT_IN == 0:
             xt = tl.load(x_base + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         else:
