@@ -96,7 +96,7 @@ def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.float32) -> dict:
+def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.float32, prefill: bool = True) -> dict:
     from engine.cuda.model import CudaRwkv7
     from engine.sampler import Sampler
     from engine.params import SamplingParams
@@ -115,7 +115,8 @@ def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.floa
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = {"shape": name, "layers": shape.n_layer, "width": shape.n_embd,
            "state_MiB": StatePool.bytes_per_slot(shape, torch.bfloat16, state_dtype) / 2**20, "decode": {}}
-    model.prefill([list(range(1, 65))] * min(max_batch, 64), list(range(min(max_batch, 64))))
+    if prefill:  # states with content (the decode's speed does not depend on it)
+        model.prefill([list(range(1, 65))] * min(max_batch, 64), list(range(min(max_batch, 64))))
     sampler = Sampler(max_batch, shape.vocab_size, "cuda")
     for slot in range(max_batch):
         sampler.reset_slot(slot, SamplingParams(temperature=1.0, top_p=0.9), slot, [1])
@@ -128,6 +129,9 @@ def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.floa
         # what a serving step costs: the sampler's launches queue behind the model's, one transfer at the end
         both_ms = cuda_time_ms(lambda: sampler.sample(model.decode(tokens, slots), slots), iters=10)
         res["decode"][b] = (ms, sample_ms, both_ms)
+    res["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    if not prefill:
+        return res
     prompt = torch.randint(1, 65536, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
     ms = cuda_time_ms(lambda: model.prefill([prompt], [0]), iters=5, warmup=2)
     res["prefill_4096"] = 4096 / ms * 1e3
@@ -208,22 +212,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def bench_cuda(shapes: list[str], max_batch: int) -> str:
+def bench_cuda(shapes: list[str], max_batch: int, decode_only: bool = False) -> str:
     rows, prefill_rows, mixed_rows = [], [], []
     for name in shapes:
-        res = bench_shape(name, max_batch)
+        res = bench_shape(name, max_batch, prefill=not decode_only)
         print(f"{name}: {res}", file=sys.stderr, flush=True)  # partial results survive a killed run
         for b, (ms, sample_ms, both_ms) in res["decode"].items():
             rows.append([name, b, f"{ms:.3f}", f"{b / ms * 1e3:,.0f}", f"{sample_ms:.2f}", f"{both_ms:.3f}",
                          f"{b / both_ms * 1e3:,.0f}"])
-        prefill_rows.append([name, f"{res['prefill_4096']:,.0f}", f"{res['prefill_64x512']:,.0f}",
-                             f"{res['state_MiB']:.2f}", f"{res['peak_GiB']:.1f}"])
+        if not decode_only:
+            prefill_rows.append([name, f"{res['prefill_4096']:,.0f}", f"{res['prefill_64x512']:,.0f}",
+                                 f"{res['state_MiB']:.2f}", f"{res['peak_GiB']:.1f}"])
         if "mixed" in res:
             d, m = res["mixed"]
             mixed_rows.append([name, f"{d:.2f}", f"{m:.2f}", f"{m - d:.2f}"])
     out = table("Decode (bf16 weights, fp32 state, CUDA graphs)",
                 ["shape", "batch", "step ms", "tok/s (model)", "sample ms alone (T=1, top_p)", "step + sample ms",
                   "tok/s incl. sampling"], rows)
+    if decode_only:
+        return out
     out += "\n" + table("Prefill and memory", ["shape", "1×4096 tok/s", "64×512 packed tok/s",
                                                "state MiB/seq", "peak GiB (incl. 1,024+1 slots)"], prefill_rows)
     if mixed_rows:
@@ -249,12 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="0.1b,1.5b,7.2b")
     ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode table (minutes less: no prefill, mixed step, bf16 state, drift)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         body, where = bench_cpu(), f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}"
     else:
-        body = bench_cuda(args.shapes.split(","), args.max_batch)
+        body = bench_cuda(args.shapes.split(","), args.max_batch, args.decode_only)
         where = f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"
     publish(f"Engine — {where}", "engine.bench", argv, body, args.out)
     return 0

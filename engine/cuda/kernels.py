@@ -332,7 +332,10 @@ _small_matmul_tuned = triton.autotune(
 
 SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernel instead of cuBLAS
 LORA_RANK_MULTIPLE = 64  # packed LoRA ranks are padded to this (a multiple of every BLOCK_N)
-PROGRAMS_PER_SM = 3  # split-K until a launch has about this many programs per SM (64-row blocks)
+# split-K until a launch has about one program per SM (64-row blocks × K slices ≥ 0.9 × SMs). H200, 1.5B,
+# batch 1 (time-mix input, output, FFN value splits → step ms): (2, 4, 4) 1.350 [this rule], (4, 4, 8) 1.362,
+# (4, 8, 8) 1.404, (8, 8, 8) 1.434; no split before (one launch more, LoRAs padded) 1.540
+SPLIT_FILL = 0.9
 MAX_SPLIT = 8
 
 
@@ -342,13 +345,13 @@ def _sm_count(device_index: int) -> int:
 
 
 def split_k(rows: int, K: int, device: torch.device) -> int:
-    """How many K slices a weight-streaming launch over ``rows`` output rows should have: enough programs to
-    keep every SM's loads in flight, each slice ≥ 256 wide. Depends on the shape only, never on the batch (a
-    row's sum must not depend on its step's batch size)."""
+    """How many K slices a weight-streaming launch over ``rows`` output rows gets: enough programs to give
+    every SM one, each slice ≥ 256 wide. Depends on the shape only, never on the batch (a row's sum must not
+    depend on how many rows share its step)."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
     split = 1
-    while split < MAX_SPLIT and triton.cdiv(rows, 64) * split < PROGRAMS_PER_SM * sms and K // (2 * split) >= 256:
+    while split < MAX_SPLIT and triton.cdiv(rows, 64) * split < SPLIT_FILL * sms and K // (2 * split) >= 256:
         split *= 2
     return split
 
