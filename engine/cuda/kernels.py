@@ -10,8 +10,13 @@ each state is read once and written once per layer.
 token-shift vector from its slot, writes the new one, and produces the K mixed
 inputs in one pass (``prefill_ln_shift_mix``: the same over packed prompts).
 
-``small_matmul``: weight-streaming matmul for decode batches of ≤ 16 rows with
-the activation or residual fused.
+``small_matmul`` and its packed forms (``time_mix_in``: r/k/v and the four
+LoRA downs in one launch, each LoRA at its own rank; ``lora_up``): weight-
+streaming matmuls for decode batches of ≤ 16 rows. Where a launch would leave
+SMs idle they split K (``split_k``) and write fp32 partial sums that the
+consuming kernel adds up in a fixed order (LoRA up, wkv, the next LayerNorm
+for the residual): more loads in flight, no atomics, the same bits whatever
+the batch.
 
 The LayerNorm+shift and wkv kernels of large decode batches are launched with
 programmatic dependent launch on Hopper (``large_batch=True``): a kernel starts

@@ -12,8 +12,10 @@ fused wkv kernel (decay, iclr, value residual, key update, state update,
 readout, GroupNorm, bonus, gate) → output projection + residual → LayerNorm
 fused with the FFN shift mix → key projection, relu² → value projection +
 residual. Batches of up to 16 rows (batch-1 latency) run every projection
-through a weight-streaming Triton kernel with the activation/residual fused
-(9 launches per layer); larger batches use cuBLAS (tensor cores), with the
+through a weight-streaming Triton kernel, r/k/v and the LoRA downs in one
+launch, split along K where a launch would leave SMs idle (fp32 partial sums
+added by the next kernel: 8 launches per layer); larger batches use cuBLAS
+(tensor cores), with the
 LayerNorm+shift and wkv kernels overlapping the GEMMs' tails (programmatic
 dependent launch).
 All weights are kept in nn.Linear layout ``[out, in]``.
@@ -83,8 +85,8 @@ class CudaRwkv7:
         C, dt, dev = self.shape.n_embd, self.dtype, self.emb.device
         ranks = [p(f"att.{x}1").shape[1] if (x != "v" or i > 0) else 0 for x in LORA_ORDER]
         D = max(ranks)
-        down = torch.zeros(4, D, C, dtype=dt, device=self.emb.device)
-        up = torch.zeros(4, C, D, dtype=dt, device=self.emb.device)
+        down = torch.zeros(4, D, C, dtype=dt, device=dev)
+        up = torch.zeros(4, C, D, dtype=dt, device=dev)
         for j, (x, r) in enumerate(zip(LORA_ORDER, ranks)):
             if r:  # official layout is (in, out): x @ w1 @ w2
                 down[j, :r], up[j, :, :r] = p(f"att.{x}1").t(), p(f"att.{x}2").t()
@@ -112,13 +114,19 @@ class CudaRwkv7:
     def _decode_eager(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if token_ids.shape[0] <= self.small_batch_max:
             return self._decode_small(token_ids, slots)
+        return self._decode_large(token_ids, slots)
+
+    def _step_buffers(self, batch: int) -> tuple[torch.Tensor, ...]:
+        """A decode step's activations: v_first, the 7 time-mix inputs, the FFN input, the wkv output."""
+        C, device = self.shape.n_embd, self.emb.device
+        empty = lambda *shape: torch.empty(*shape, dtype=self.dtype, device=device)  # noqa: E731
+        return empty(batch, C), empty(7, batch, C), empty(1, batch, C), empty(batch, C)
+
+    def _decode_large(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """cuBLAS projections; LayerNorm+shift and wkv overlap the GEMMs before them (PDL)."""
         pool, C = self.pool, self.shape.n_embd
-        B = token_ids.shape[0]
         x = self.emb[token_ids]
-        v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
-        att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
-        ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
-        att = torch.empty(B, C, dtype=self.dtype, device=x.device)
+        v_first, att_mixed, ffn_mixed, att = self._step_buffers(token_ids.shape[0])
         for i, L in enumerate(self.layers):
             ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, large_batch=True)
             rkv, up = self._time_mix_projections(L, att_mixed)
@@ -134,12 +142,8 @@ class CudaRwkv7:
         puts more loads in flight (the r/k/v + LoRA, output and FFN value projections); their fp32 partial
         sums are added by the kernel that consumes them (LoRA up, wkv, the next LayerNorm: residual)."""
         pool, C = self.pool, self.shape.n_embd
-        B = token_ids.shape[0]
         x = self.emb[token_ids]
-        v_first = torch.empty(B, C, dtype=self.dtype, device=x.device)
-        att_mixed = torch.empty(7, B, C, dtype=self.dtype, device=x.device)
-        ffn_mixed = torch.empty(1, B, C, dtype=self.dtype, device=x.device)
-        att = torch.empty(B, C, dtype=self.dtype, device=x.device)
+        v_first, att_mixed, ffn_mixed, att = self._step_buffers(token_ids.shape[0])
         residual = None  # the last projection's partial sums, not yet added to x
         for i, L in enumerate(self.layers):
             ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, partials=residual)
