@@ -159,11 +159,13 @@ class GenerationService:
 
 
 def raise_for_status(result: c.Result) -> None:
-    """failed → 500, expired → 504 (cancelled results are answered with what was generated)."""
+    """failed → 500 (400 when a worker refused the request as invalid), expired → 504 (cancelled results are
+    answered with what was generated)."""
     err = result.error or {}
     if result.status == c.STATUS_FAILED:
-        raise OpenAIError(500, err.get("message", "generation failed"), type="server_error",
-                          code=err.get("code", "failed"))
+        invalid = err.get("type") == "invalid_request_error"
+        raise OpenAIError(400 if invalid else 500, err.get("message", "generation failed"),
+                          type="invalid_request_error" if invalid else "server_error", code=err.get("code", "failed"))
     if result.status == c.STATUS_EXPIRED:
         raise OpenAIError(504, err.get("message", "the request expired"), code="expired")
 

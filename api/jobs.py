@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from api.errors import bad_request
 from api.formatting import Shape
+from api.limits import Limits
 from api.prompts import Prompt, check_lengths, completion_prompts, encode, render_chat
 from api.sampling import chat_params, completion_params
 from api.schemas import ChatCompletionRequest, CompletionRequest
@@ -51,15 +52,15 @@ class Job:
 
 
 async def completion_job(body: CompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
-                         is_async: bool = False) -> Job:
-    n = _check_n(body.n, settings)
-    prompts = await completion_prompts(body.prompt, tokenizer)
+                         limits: Limits, is_async: bool = False) -> Job:
+    n = _check_n(body.n, limits)
+    prompts = await completion_prompts(body.prompt, tokenizer, limits.vocab_size)
     if is_async and len(prompts) > 1:
         raise bad_request("an async request takes one prompt; submit one request per prompt", "prompt")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     params = completion_params(body)
-    check_lengths(prompts, params["max_tokens"], settings)
+    check_lengths(prompts, params["max_tokens"], limits)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
                   include_usage=_include_usage(body))
@@ -67,22 +68,22 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
 
 
 async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
-                   is_async: bool = False) -> Job:
-    n = _check_n(body.n, settings)
+                   limits: Limits, is_async: bool = False) -> Job:
+    n = _check_n(body.n, limits)
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
     text = render_chat(body.messages, settings, add_generation_prompt)
     prompts = [Prompt(await encode(tokenizer, text), text)]
     params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop)
-    check_lengths(prompts, params["max_tokens"], settings)
+    check_lengths(prompts, params["max_tokens"], limits)
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
                   model=settings.model_name, n=n, include_usage=_include_usage(body))
     return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
 
 
-def _check_n(n: int | None, settings: Settings) -> int:
+def _check_n(n: int | None, limits: Limits) -> int:
     n = n or 1
-    if n > settings.max_n:
-        raise bad_request(f"n must be between 1 and {settings.max_n}, got {n}", "n")
+    if n > limits.max_n:
+        raise bad_request(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     return n
 
 

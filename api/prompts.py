@@ -6,9 +6,10 @@ import asyncio
 from dataclasses import dataclass
 
 from api.errors import bad_request
+from api.limits import Limits
 from api.schemas import ChatMessage
 from api.settings import Settings
-from engine.tokenizer import VOCAB_SIZE, WorldTokenizer
+from engine.tokenizer import WorldTokenizer
 
 THREAD_ENCODE_CHARS = 20_000  # longer texts are tokenized off the event loop
 
@@ -29,18 +30,19 @@ async def encode(tokenizer: WorldTokenizer, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-async def completion_prompts(prompt: str | list, tokenizer: WorldTokenizer) -> list[Prompt]:
-    """str, [str], [id] or [[id]] -> one Prompt per prompt (choice indices follow this order)."""
+async def completion_prompts(prompt: str | list, tokenizer: WorldTokenizer, vocab_size: int) -> list[Prompt]:
+    """str, [str], [id] or [[id]] -> one Prompt per prompt (choice indices follow this order); token ids
+    must lie below ``vocab_size``."""
     if isinstance(prompt, str):
         return [Prompt(await encode(tokenizer, prompt), prompt)]
     if isinstance(prompt[0], str):
         return [Prompt(await encode(tokenizer, p), p) for p in prompt]
     token_lists = [prompt] if isinstance(prompt[0], int) else prompt
     for i, ids in enumerate(token_lists):
-        bad = next((t for t in ids if t >= VOCAB_SIZE), None)
+        bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             where = "prompt" if token_lists is not prompt else f"prompt[{i}]"
-            raise bad_request(f"{where}: token id {bad} is outside the vocabulary (0..{VOCAB_SIZE - 1})", "prompt")
+            raise bad_request(f"{where}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
     return [Prompt(list(ids), tokenizer.decode(ids)) for ids in token_lists]
 
 
@@ -62,15 +64,15 @@ def render_chat(messages: list[ChatMessage], settings: Settings, add_generation_
     return "".join(parts)
 
 
-def check_lengths(prompts: list[Prompt], max_tokens: int, settings: Settings) -> None:
+def check_lengths(prompts: list[Prompt], max_tokens: int, limits: Limits) -> None:
     """400 naming both numbers when a prompt is over the limits."""
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt {i}"
-        if len(p.token_ids) > settings.max_prompt_tokens:
+        if len(p.token_ids) > limits.max_prompt_tokens:
             raise bad_request(f"{where} has {len(p.token_ids)} tokens, more than the limit of "
-                              f"{settings.max_prompt_tokens} tokens", "prompt", "prompt_too_long")
+                              f"{limits.max_prompt_tokens} tokens", "prompt", "prompt_too_long")
         total = p.num_tokens + max_tokens
-        if total > settings.max_model_len:
+        if total > limits.max_model_len:
             raise bad_request(f"{where} ({p.num_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens, "
-                              f"more than the model's limit of {settings.max_model_len} tokens", "max_tokens",
+                              f"more than the model's limit of {limits.max_model_len} tokens", "max_tokens",
                               "context_length_exceeded")

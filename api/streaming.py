@@ -160,7 +160,7 @@ class StreamSession:
                                             "completion_tokens": result.completion_tokens})
         if result.status in (c.STATUS_FAILED, c.STATUS_EXPIRED):
             err = result.error or {}
-            kind = "server_error" if result.status == c.STATUS_FAILED else "timeout"
+            kind = err.get("type", "server_error") if result.status == c.STATUS_FAILED else "timeout"
             return error_body(err.get("message", f"the request {result.status}"), kind, code=err.get("code"))
         return None
 

@@ -53,6 +53,14 @@ class LLMEngine:
         return self.scheduler.slots.num_free
 
     @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 

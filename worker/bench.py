@@ -40,6 +40,9 @@ class NoComputeEngine:
     every step (the worker only reads outputs), and only the last step of a sequence makes a new one.
     """
 
+    max_model_len = 1 << 20
+    vocab_size = 65536
+
     def __init__(self, num_slots: int, step_s: float = 0.0):
         self.num_slots = num_slots
         self.step_s = step_s

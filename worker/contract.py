@@ -18,7 +18,7 @@ Key space (all under ``gaggle:``):
     text:<id>:<index>      string  text so far of one choice (async requests only)
     watch:<id>             string  set (TTL) while an /events stream watches an async request: its deltas are
                                    published only then (the API fills the gap from text:<id> by text_offset)
-    worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model)
+    worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model, its limits)
     workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
 
 Streams are trimmed with XDEL only after XACK, so XLEN = queued + in flight.
@@ -30,7 +30,7 @@ import hashlib
 
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -292,11 +292,13 @@ class Result:
 
 
 def error_result(req_id: str, status: str, message: str, code: str, *, worker: str = "",
-                 queued: QueuedRequest | None = None) -> Result:
-    """A terminal result that carries no generation: failed, cancelled or expired."""
+                 queued: QueuedRequest | None = None, err_type: str | None = None) -> Result:
+    """A terminal result that carries no generation: failed, cancelled or expired. ``err_type``: the OpenAI
+    error type (default: server_error for failed, invalid_request_error otherwise); a failed request that a
+    worker refused as invalid is an invalid_request_error (the API answers it with a 400)."""
     base = dict(endpoint=queued.endpoint, model=queued.model, tenant=queued.tenant, created=queued.created,
                 meta=queued.meta) if queued else {}
-    err_type = "server_error" if status == STATUS_FAILED else "invalid_request_error"
+    err_type = err_type or ("server_error" if status == STATUS_FAILED else "invalid_request_error")
     return Result(id=req_id, status=status, worker=worker,
                   error={"message": message, "type": err_type, "code": code}, **base)
 
@@ -315,6 +317,8 @@ class Heartbeat:
     started: float
     ts: float = field(default_factory=time.time)
     draining: bool = False
+    max_model_len: int = 0  # prompt + output tokens the worker's engine accepts (0: not reported)
+    vocab_size: int = 0  # the model's vocabulary (0: not reported)
 
     def encode(self) -> bytes:
         return dumps({"v": SCHEMA_VERSION, **asdict(self)})
@@ -327,6 +331,7 @@ class Heartbeat:
 
     @classmethod
     def decode(cls, data: bytes | str) -> "Heartbeat":
+        """Fields a newer worker adds are ignored, ones an older worker lacks take their defaults."""
         obj = loads_versioned(data)
-        obj.pop("v")
-        return cls(**obj)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in obj.items() if k in known})

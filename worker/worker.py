@@ -209,8 +209,9 @@ class Worker:
         try:
             params = SamplingParams.from_dict(req.params)
             self.engine.add(Request(req.id, list(req.prompt_token_ids), params, n=req.n))
-        except (ValueError, TypeError) as e:
-            self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), req.id, f"invalid request: {e}", req)
+        except (ValueError, TypeError) as e:  # past the API's checks: it knew other limits (no heartbeat yet)
+            self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), req.id, f"invalid request: {e}", req,
+                              invalid=True)
             return False
         self.inflight[req.id] = flight
         ops: list[Op] = [("start", flight), ("HSET", c.request_key(req.id), "status", c.STATUS_RUNNING, "worker", self.cfg.name,
@@ -310,7 +311,9 @@ class Worker:
         result = c.error_result(req.id, status, message, code, worker=self.cfg.name, queued=req)
         self.io.submit(self._final_ops(stream, entry_id, result))
 
-    def _dead_letter(self, item: Incoming, rid: str | None, reason: str, req: c.QueuedRequest | None = None) -> None:
+    def _dead_letter(self, item: Incoming, rid: str | None, reason: str, req: c.QueuedRequest | None = None,
+                     invalid: bool = False) -> None:
+        """Record the entry in the dead-letter stream and fail its request (``invalid``: as the client's error)."""
         log.error("dead-lettering entry", extra={"request_id": rid, "stream": item.stream, "reason": reason})
         ops: list[Op] = [("XADD", c.STREAM_DEAD, "*", "stream", item.stream, "entry_id", item.entry_id,
                           "request_id", rid or "", "reason", reason,
@@ -319,7 +322,8 @@ class Worker:
         if rid is None:
             self.io.submit([("xack_del", item.stream, item.entry_id)])
             return
-        result = c.error_result(rid, c.STATUS_FAILED, reason, "dead_letter", worker=self.cfg.name, queued=req)
+        result = c.error_result(rid, c.STATUS_FAILED, reason, "invalid_request" if invalid else "dead_letter",
+                                worker=self.cfg.name, queued=req, err_type="invalid_request_error" if invalid else None)
         self.io.submit(self._final_ops(item.stream, item.entry_id, result))
 
     # -- a step that raised ----------------------------------------------------------
@@ -365,4 +369,5 @@ class Worker:
         return c.Heartbeat(name=self.cfg.name, pid=os.getpid(), host=socket.gethostname(), device=self.device,
                            model=self.model_name, num_slots=self.engine.num_slots, running=self.engine.num_running,
                            free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),
-                           started=self.started, draining=self.draining)
+                           started=self.started, draining=self.draining,
+                           max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size)

@@ -8,6 +8,7 @@ from starlette.responses import Response
 from api.auth import get_tenant
 from api.generation import GenerationService
 from api.jobs import completion_job
+from api.limits import current_limits
 from api.routers.common import GENERATION_ERRORS
 from api.schemas import CompletionRequest
 from api.settings import Settings, get_settings
@@ -19,5 +20,6 @@ router = APIRouter(tags=["completions"])
 async def create_completion(body: CompletionRequest, request: Request, tenant: str = Depends(get_tenant),
                             settings: Settings = Depends(get_settings)) -> Response:
     service: GenerationService = request.app.state.generation
-    job = await completion_job(body, tenant, settings, service.tokenizer)
+    limits = await current_limits(service.broker, settings)
+    job = await completion_job(body, tenant, settings, service.tokenizer, limits)
     return await service.respond(job, request)

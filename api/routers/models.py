@@ -6,21 +6,24 @@ from fastapi import APIRouter, Depends, Request
 
 from api.auth import get_tenant
 from api.errors import not_found
+from api.limits import current_limits
 from api.routers.common import errors
 from api.settings import Settings, get_settings
 
 router = APIRouter(tags=["models"])
 
 
-def model_card(settings: Settings, created: int) -> dict:
-    return {"id": settings.model_name, "object": "model", "created": created, "owned_by": "gaggle",
-            "max_model_len": settings.max_model_len}
+async def model_card(request: Request, settings: Settings) -> dict:
+    """``max_model_len``: the tightest of the API's setting and every live worker's."""
+    limits = await current_limits(request.app.state.generation.broker, settings)
+    return {"id": settings.model_name, "object": "model", "created": request.app.state.started, "owned_by": "gaggle",
+            "max_model_len": limits.max_model_len}
 
 
 @router.get("/v1/models", responses=errors(401))
 async def list_models(request: Request, tenant: str = Depends(get_tenant),
                       settings: Settings = Depends(get_settings)) -> dict:
-    return {"object": "list", "data": [model_card(settings, request.app.state.started)]}
+    return {"object": "list", "data": [await model_card(request, settings)]}
 
 
 @router.get("/v1/models/{model_id:path}", responses=errors(401, 404))
@@ -28,4 +31,4 @@ async def retrieve_model(model_id: str, request: Request, tenant: str = Depends(
                          settings: Settings = Depends(get_settings)) -> dict:
     if model_id != settings.model_name:
         raise not_found("model", model_id)
-    return model_card(settings, request.app.state.started)
+    return await model_card(request, settings)

@@ -8,6 +8,7 @@ from starlette.responses import Response
 from api.async_requests import AsyncRequests
 from api.auth import get_tenant
 from api.jobs import chat_job, completion_job
+from api.limits import current_limits
 from api.responses import JSONBytesResponse
 from api.routers.common import errors
 from api.schemas import AsyncChatRequest, AsyncRequest
@@ -26,7 +27,8 @@ async def create_request(body: AsyncRequest, request: Request, tenant: str = Dep
                          settings: Settings = Depends(get_settings)) -> Response:
     service = _service(request)
     build = chat_job if isinstance(body, AsyncChatRequest) else completion_job
-    job = await build(body, tenant, settings, service.tokenizer, is_async=True)
+    job = await build(body, tenant, settings, service.tokenizer, await current_limits(service.broker, settings),
+                      is_async=True)
     obj = await service.submit(job)
     return JSONBytesResponse(obj, status_code=202, headers={"Location": f"/v1/requests/{obj['id']}"})
 

@@ -1,0 +1,103 @@
+"""The API admits only what every live worker can run: workers report their engine's limits in their
+heartbeats, so a request over them is a 400 at the door, not a failure after it was queued. A request that
+reaches a worker anyway (queued before the API knew) fails as the client's error: a 400 too."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from api.generation import raise_for_status
+from api.errors import OpenAIError
+from api.limits import Limits
+from api.settings import Settings
+from tests.queue_helpers import submit, wait_results
+from tests.test_api_support import ApiServer, flushed, is_openai_error, wait_heartbeat
+from worker import contract as c
+
+WORKER = "limits-test-worker"
+MAX_MODEL_LEN, SLOTS = 64, 4
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, tiny_model_path):
+    from tests.queue_helpers import start_worker
+    r = flushed(redis_server.url)
+    worker = start_worker(redis_server.url, str(tiny_model_path), WORKER, "--max-model-len", str(MAX_MODEL_LEN),
+                          "--max-num-seqs", str(SLOTS))
+    api = ApiServer(redis_server.url)  # its own limits are the defaults: far above the worker's
+    try:
+        api.wait_healthy()
+        wait_heartbeat(r, WORKER)
+        with httpx.Client(base_url=api.url, timeout=60) as http:
+            yield r, http
+    finally:
+        api.stop()
+        worker.terminate()
+        worker.wait(timeout=40)
+        r.flushdb()
+
+
+def completion(http: httpx.Client, **body) -> httpx.Response:
+    return http.post("/v1/completions", json={"model": "m", "prompt": "Hello there", **body})
+
+
+def test_the_heartbeat_carries_the_workers_limits(stack):
+    r, http = stack
+    beat = c.Heartbeat.decode(r.get(c.heartbeat_key(WORKER)))
+    assert (beat.max_model_len, beat.vocab_size, beat.num_slots) == (MAX_MODEL_LEN, 65536, SLOTS)
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_over_the_workers_max_model_len_is_a_400(stack):
+    _, http = stack
+    ok = completion(http, max_tokens=8)
+    assert ok.status_code == 200, ok.text
+    over = completion(http, max_tokens=MAX_MODEL_LEN)
+    assert over.status_code == 400 and is_openai_error(over.json()), over.text
+    err = over.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert f"limit of {MAX_MODEL_LEN} tokens" in err["message"]
+
+
+def test_more_choices_than_a_worker_has_slots_is_a_400(stack):
+    _, http = stack
+    assert completion(http, max_tokens=2, n=SLOTS).status_code == 200
+    over = completion(http, max_tokens=2, n=SLOTS + 1)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "n", over.text
+    assert f"between 1 and {SLOTS}" in over.json()["error"]["message"]
+
+
+def test_a_request_the_worker_refuses_fails_as_the_clients_error(stack):
+    r, _ = stack
+    submit(r, "over-the-limit", list(range(10, 20)), max_tokens=MAX_MODEL_LEN)  # queued past the API's checks
+    result = wait_results(r, ["over-the-limit"], timeout_s=60)["over-the-limit"]
+    assert result.status == c.STATUS_FAILED
+    assert result.error["type"] == "invalid_request_error" and result.error["code"] == "invalid_request"
+    assert "max_model_len" in result.error["message"]
+    with pytest.raises(OpenAIError) as refused:
+        raise_for_status(result)
+    assert refused.value.status == 400
+    with pytest.raises(OpenAIError) as crashed:  # a request that made the engine fail stays a server error
+        raise_for_status(c.error_result("x", c.STATUS_FAILED, "boom", "dead_letter"))
+    assert crashed.value.status == 500
+
+
+def test_limits_take_the_tightest_live_worker():
+    settings = Settings(max_model_len=4096, max_n=16)
+    beat = lambda **kw: c.Heartbeat(**{**dict(name="w", pid=1, host="h", device="cpu", model="m", num_slots=8,  # noqa: E731
+                                                 running=0, free_slots=8, tokens_per_s=0.0, started=0.0), **kw})
+    workers = [beat(max_model_len=2048, vocab_size=65536), beat(max_model_len=0, num_slots=4),  # 0: not reported
+               beat(max_model_len=100, num_slots=1, draining=True)]  # draining: takes nothing new
+    assert Limits.of(settings, workers) == Limits(settings.max_prompt_tokens, 2048, 65536, 4)
+    assert Limits.of(settings) == Limits(settings.max_prompt_tokens, 4096, 65536, 16)
+
+
+def test_heartbeats_of_older_and_newer_workers_decode():
+    beat = c.Heartbeat(name="w", pid=1, host="h", device="cpu", model="m", num_slots=2, running=0, free_slots=2,
+                       tokens_per_s=0.0, started=0.0, max_model_len=99)
+    obj = orjson.loads(beat.encode())
+    older = {k: v for k, v in obj.items() if k not in ("max_model_len", "vocab_size")}
+    assert c.Heartbeat.decode(orjson.dumps(older)).max_model_len == 0
+    assert c.Heartbeat.decode(orjson.dumps({**obj, "gpu_watts": 300})) == beat
