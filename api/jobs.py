@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from api.errors import bad_request
 from api.formatting import Shape
 from api.limits import Limits
-from api.prompts import Prompt, check_lengths, completion_prompts, encode, render_chat
+from api.prompts import Prompt, completion_prompts, encode, fit_lengths, render_chat
 from api.sampling import chat_params, completion_params
 from api.schemas import ChatCompletionRequest, CompletionRequest
 from api.settings import Settings
@@ -60,11 +60,11 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     params = completion_params(body)
-    check_lengths(prompts, params["max_tokens"], limits)
+    max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit=body.max_tokens is not None)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
                   include_usage=_include_usage(body))
-    return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
+    return _job(shape, tenant, prompts, params, max_tokens, bool(body.stream), is_async, settings)
 
 
 async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
@@ -74,10 +74,11 @@ async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings,
     text = render_chat(body.messages, settings, add_generation_prompt)
     prompts = [Prompt(await encode(tokenizer, text), text)]
     params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop)
-    check_lengths(prompts, params["max_tokens"], limits)
+    explicit = body.max_completion_tokens is not None or body.max_tokens is not None
+    max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit)
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
                   model=settings.model_name, n=n, include_usage=_include_usage(body))
-    return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
+    return _job(shape, tenant, prompts, params, max_tokens, bool(body.stream), is_async, settings)
 
 
 def _check_n(n: int | None, limits: Limits) -> int:
@@ -91,15 +92,15 @@ def _include_usage(body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def _job(shape: Shape, tenant: str, prompts: list[Prompt], params: dict, stream: bool, is_async: bool,
-         settings: Settings) -> Job:
+def _job(shape: Shape, tenant: str, prompts: list[Prompt], params: dict, max_tokens: list[int], stream: bool,
+         is_async: bool, settings: Settings) -> Job:
     created = time.time()
     ids = [shape.id] if len(prompts) == 1 else [f"{shape.id}-{i}" for i in range(len(prompts))]
     deadline = 0.0 if is_async else created + settings.request_timeout_s + DEADLINE_GRACE_S
     requests = [
-        c.QueuedRequest(id=rid, prompt_token_ids=p.token_ids, params=dict(params), n=shape.n,
+        c.QueuedRequest(id=rid, prompt_token_ids=p.token_ids, params={**params, "max_tokens": m}, n=shape.n,
                         endpoint=shape.endpoint, model=shape.model, tenant=tenant,
                         stream=stream or is_async, record_text=is_async, created=created, deadline=deadline,
                         meta={"echo": p.text} if shape.echo_texts else {})
-        for rid, p in zip(ids, prompts)]
+        for rid, p, m in zip(ids, prompts, max_tokens)]
     return Job(shape, tenant, prompts, requests, stream=stream and not is_async)

@@ -64,15 +64,23 @@ def render_chat(messages: list[ChatMessage], settings: Settings, add_generation_
     return "".join(parts)
 
 
-def check_lengths(prompts: list[Prompt], max_tokens: int, limits: Limits) -> None:
-    """400 naming both numbers when a prompt is over the limits."""
+def fit_lengths(prompts: list[Prompt], max_tokens: int, limits: Limits, explicit: bool) -> list[int]:
+    """Each prompt's max_tokens; 400 naming both numbers when a prompt is over the limits. Without an
+    ``explicit`` max_tokens a prompt gets what the model's length leaves it, up to the default (as vLLM)."""
+    fitted = []
     for i, p in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt {i}"
         if len(p.token_ids) > limits.max_prompt_tokens:
             raise bad_request(f"{where} has {len(p.token_ids)} tokens, more than the limit of "
                               f"{limits.max_prompt_tokens} tokens", "prompt", "prompt_too_long")
+        room = limits.max_model_len - p.num_tokens
+        if not explicit and room >= 1:
+            fitted.append(min(max_tokens, room))
+            continue
         total = p.num_tokens + max_tokens
         if total > limits.max_model_len:
             raise bad_request(f"{where} ({p.num_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens, "
-                              f"more than the model's limit of {limits.max_model_len} tokens", "max_tokens",
-                              "context_length_exceeded")
+                              f"more than the model's limit of {limits.max_model_len} tokens",
+                              "max_tokens" if explicit else "prompt", "context_length_exceeded")
+        fitted.append(max_tokens)
+    return fitted

@@ -101,3 +101,20 @@ def test_heartbeats_of_older_and_newer_workers_decode():
     older = {k: v for k, v in obj.items() if k not in ("max_model_len", "vocab_size")}
     assert c.Heartbeat.decode(orjson.dumps(older)).max_model_len == 0
     assert c.Heartbeat.decode(orjson.dumps({**obj, "gpu_watts": 300})) == beat
+
+
+def test_without_max_tokens_a_prompt_gets_what_the_length_leaves(stack):
+    _, http = stack
+    prompt = list(range(1000, 1050))  # 50 tokens: the default 16 would go past 64
+    short = completion(http, prompt=prompt, ignore_eos=True).json()
+    assert short["usage"] == {"prompt_tokens": 50, "completion_tokens": MAX_MODEL_LEN - 50,
+                              "total_tokens": MAX_MODEL_LEN}, short
+    assert short["choices"][0]["finish_reason"] == "length"
+    chat = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                                   "ignore_eos": True}).json()  # chat's default: 1,024
+    assert chat["usage"]["total_tokens"] == MAX_MODEL_LEN, chat
+    explicit = completion(http, prompt=prompt, max_tokens=16)  # asked for: no silent shortening
+    assert explicit.status_code == 400 and explicit.json()["error"]["param"] == "max_tokens"
+    alone = completion(http, prompt=list(range(1000, 1000 + MAX_MODEL_LEN)))
+    assert alone.status_code == 400 and alone.json()["error"]["code"] == "context_length_exceeded", alone.text
+    assert alone.json()["error"]["param"] == "prompt"
