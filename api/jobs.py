@@ -59,7 +59,7 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
         raise bad_request("an async request takes one prompt; submit one request per prompt", "prompt")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    params = completion_params(body)
+    params = completion_params(body, limits.vocab_size)
     max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit=body.max_tokens is not None)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
@@ -73,7 +73,7 @@ async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings,
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
     text = render_chat(body.messages, settings, add_generation_prompt)
     prompts = [Prompt(await encode(tokenizer, text), text)]
-    params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop)
+    params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop, limits.vocab_size)
     explicit = body.max_completion_tokens is not None or body.max_tokens is not None
     max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit)
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),

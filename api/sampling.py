@@ -7,34 +7,34 @@ import re
 from api.errors import bad_request
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.params import SamplingParams
-from engine.tokenizer import VOCAB_SIZE
 
 _FIELD = re.compile(r"^(?:each )?([a-z_]+)")
 
 
-def completion_params(body: CompletionRequest) -> dict:
-    params = _common(body, body.max_tokens or 16)
+def completion_params(body: CompletionRequest, vocab_size: int) -> dict:
+    params = _common(body, body.max_tokens or 16, vocab_size)
     params["logprobs"] = body.logprobs
-    return _validated(params)
+    return _validated(params, vocab_size)
 
 
-def chat_params(body: ChatCompletionRequest, default_max_tokens: int, default_stop: list[str]) -> dict:
+def chat_params(body: ChatCompletionRequest, default_max_tokens: int, default_stop: list[str],
+                vocab_size: int) -> dict:
     max_tokens = body.max_completion_tokens or body.max_tokens or default_max_tokens
-    params = _common(body, max_tokens)
+    params = _common(body, max_tokens, vocab_size)
     params["stop"] = list(dict.fromkeys(params["stop"] + default_stop))
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
     params["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
-    return _validated(params, logprobs_param="top_logprobs" if body.logprobs else "logprobs")
+    return _validated(params, vocab_size, logprobs_param="top_logprobs" if body.logprobs else "logprobs")
 
 
-def _common(body: SamplingFields, max_tokens: int) -> dict:
+def _common(body: SamplingFields, max_tokens: int, vocab_size: int) -> dict:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     logit_bias = {}
     for key, bias in (body.logit_bias or {}).items():
         token = key.strip()
-        if not token.isdigit() or int(token) >= VOCAB_SIZE:
-            raise bad_request(f"logit_bias keys must be token ids 0..{VOCAB_SIZE - 1} as strings, got {key!r}",
+        if not token.isdigit() or int(token) >= vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids 0..{vocab_size - 1} as strings, got {key!r}",
                               "logit_bias")
         logit_bias[str(int(token))] = bias  # str keys: the params travel as JSON
     out = {
@@ -59,9 +59,9 @@ def _common(body: SamplingFields, max_tokens: int) -> dict:
     return out
 
 
-def _validated(params: dict, logprobs_param: str = "logprobs") -> dict:
+def _validated(params: dict, vocab_size: int, logprobs_param: str = "logprobs") -> dict:
     try:
-        SamplingParams(**params).validate(vocab_size=VOCAB_SIZE)
+        SamplingParams(**params).validate(vocab_size=vocab_size)
     except ValueError as e:
         message = str(e)
         match = _FIELD.match(message)

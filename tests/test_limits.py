@@ -118,3 +118,29 @@ def test_without_max_tokens_a_prompt_gets_what_the_length_leaves(stack):
     alone = completion(http, prompt=list(range(1000, 1000 + MAX_MODEL_LEN)))
     assert alone.status_code == 400 and alone.json()["error"]["code"] == "context_length_exceeded", alone.text
     assert alone.json()["error"]["param"] == "prompt"
+
+
+def test_a_smaller_vocabulary_bounds_prompt_ids_logit_bias_and_stop_ids():
+    import asyncio
+
+    from api.jobs import chat_job, completion_job
+    from api.schemas import ChatCompletionRequest, CompletionRequest
+    from engine.tokenizer import WorldTokenizer
+
+    settings, tokenizer = Settings(), WorldTokenizer.default()
+    limits = Limits(settings.max_prompt_tokens, 4096, 1000, 4)  # a worker whose model has 1,000 tokens
+
+    def refused(build, **body) -> str:
+        schema = CompletionRequest if build is completion_job else ChatCompletionRequest
+        with pytest.raises(OpenAIError) as e:
+            asyncio.run(build(schema.model_validate(body), "t", settings, tokenizer, limits))
+        assert e.value.status == 400
+        return e.value.param
+
+    assert refused(completion_job, prompt=[5, 1000]) == "prompt"
+    assert refused(completion_job, prompt=[5], logit_bias={"1000": 1.0}) == "logit_bias"
+    assert refused(chat_job, messages=[{"role": "user", "content": "Hi"}], stop_token_ids=[999, 1000]) \
+        == "stop_token_ids"
+    job = asyncio.run(completion_job(CompletionRequest.model_validate({"prompt": [5, 999], "logit_bias": {"999": 2}}),
+                                     "t", settings, tokenizer, limits))
+    assert job.requests[0].prompt_token_ids == [5, 999]
