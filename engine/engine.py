@@ -152,7 +152,9 @@ class LLMEngine:
                 logprobs=self._logprob_entry(sampled, row, token), finished=seq.is_finished,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 stop_reason=seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=len(seq.output_token_ids)))
+                num_output_tokens=len(seq.output_token_ids),
+                prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
+                and len(seq.output_token_ids) == 1 else None))
         return outputs
 
     def _append_text(self, seq: Sequence, token: int) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.scoring import score_positions
+from engine.sequence import TokenLogprob
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -27,15 +29,25 @@ class ReferenceRwkv7:
         self.shape = weights.shape
         self.pool = pool
 
-    @torch.inference_mode()
     def prefill(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor:
         """Run each chunk from its slot's state; returns each chunk's last-token logits ``[len, V]``."""
+        return self.prefill_with_scores(chunks, slots, {})[0]
+
+    @torch.inference_mode()
+    def prefill_with_scores(self, chunks: list[list[int]], slots: list[int], score: dict[int, tuple[list[int], int]]
+                            ) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+        """``prefill``, and for each chunk ``i`` in ``score`` = {i: (targets, k)}: the logprobs of ``targets``
+        predicted by the chunk's first ``len(targets)`` positions (``engine.scoring``)."""
         device = self.pool.wkv.device
-        rows = []
-        for tokens, slot in zip(chunks, slots):
+        rows, scores = [], {}
+        for i, (tokens, slot) in enumerate(zip(chunks, slots)):
             t = torch.tensor([tokens], dtype=torch.long, device=device)
-            rows.append(self.forward(t, torch.tensor([slot], device=device))[0])
-        return torch.stack(rows)
+            h = self.hidden(t, torch.tensor([slot], device=device))[0]
+            rows.append(self._head(self._normed(h[-1:]))[0])
+            if i in score:
+                targets, k = score[i]
+                scores[i] = score_positions(self._normed(h[:len(targets)]), self._head, targets, k)
+        return torch.stack(rows), scores
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -44,6 +56,18 @@ class ReferenceRwkv7:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Logits ``[B, V]`` of each row's last token (``all_logits``: ``[B, T, V]``); the slots' states move on."""
+        x = self.hidden(tokens, slots)
+        return self._head(self._normed(x if all_logits else x[:, -1]))
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.shape.n_embd,), self.w["ln_out.weight"], self.w["ln_out.bias"])
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w["head.weight"]).float()
+
+    def hidden(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the last layer ``[B, T, C]`` (before the output LayerNorm)."""
         w, pool = self.w, self.pool
         C = self.shape.n_embd
         x = w["emb.weight"][tokens].to(w["blocks.0.att.receptance.weight"].dtype)
@@ -60,9 +84,7 @@ class ReferenceRwkv7:
             ffn, ffn_shift = self.channel_mix(i, xx, pool.ffn_shift[i].index_select(0, slots))
             pool.ffn_shift[i].index_copy_(0, slots, ffn_shift.to(pool.ffn_shift.dtype))
             x = x + ffn
-        x = x if all_logits else x[:, -1]
-        x = F.layer_norm(x, (C,), w["ln_out.weight"], w["ln_out.bias"])
-        return F.linear(x, w["head.weight"]).float()
+        return x
 
     def time_mix(self, i: int, x: torch.Tensor, shift: torch.Tensor, wkv: torch.Tensor,
                  v_first: torch.Tensor | None):

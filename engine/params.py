@@ -27,6 +27,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     logprobs: int | None = None  # None = no logprobs; k = chosen token + top k
+    prompt_logprobs: int | None = None  # None = none; k = each prompt token's logprob + the top k there
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -57,6 +58,8 @@ class SamplingParams:
                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         _check(len(self.stop) <= MAX_STOP_STRINGS,
                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:

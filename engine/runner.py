@@ -9,8 +9,8 @@ import torch
 from engine.config import EngineConfig
 from engine.model import ReferenceRwkv7
 from engine.sampler import SampleOutput, Sampler
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from engine.scheduler import PrefillChunk, SchedulerOutput
+from engine.sequence import Sequence, TokenLogprob
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -75,8 +75,12 @@ class ModelRunner:
         seqs: list[Sequence] = []
         logits: list[torch.Tensor] = []
         if batch.prefills:
-            rows = self.model.prefill([c.token_ids for c in batch.prefills], [c.seq.slot for c in batch.prefills])
-            for chunk, row in zip(batch.prefills, rows):
+            score = self._prompt_targets(batch.prefills)
+            rows, scores = self.model.prefill_with_scores([c.token_ids for c in batch.prefills],
+                                                          [c.seq.slot for c in batch.prefills], score)
+            for i, (chunk, row) in enumerate(zip(batch.prefills, rows)):
+                if i in scores:
+                    self._record_prompt_logprobs(chunk, scores[i])
                 if chunk.is_last:
                     self._fork(chunk.seq)
                     family = [chunk.seq, *chunk.seq.siblings]
@@ -93,7 +97,27 @@ class ModelRunner:
         rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # a decode-only step copies nothing
         return seqs, self.sampler.sample(rows.float(), slots)
 
+    @staticmethod
+    def _prompt_targets(chunks: list[PrefillChunk]) -> dict[int, tuple[list[int], int]]:
+        """For chunks of sequences that asked for prompt logprobs: the prompt tokens their positions predict
+        (a prompt's last position predicts the first generated token, not a prompt token) and the top k."""
+        score = {}
+        for i, chunk in enumerate(chunks):
+            k = chunk.seq.params.prompt_logprobs
+            if k is not None:
+                score[i] = (chunk.seq.prompt_token_ids[chunk.start + 1:chunk.end + 1], k)
+        return score
+
+    @staticmethod
+    def _record_prompt_logprobs(chunk: PrefillChunk, entries: list[TokenLogprob]) -> None:
+        seq = chunk.seq
+        if chunk.start == 0:  # nothing predicts a prompt's first token
+            seq.prompt_logprobs.append(TokenLogprob(seq.prompt_token_ids[0], None, []))
+        seq.prompt_logprobs.extend(entries)
+
     def _fork(self, lead: Sequence) -> None:
+        for s in lead.siblings:  # n > 1: one prompt, one list
+            s.prompt_logprobs = lead.prompt_logprobs
         if not lead.siblings:
             return
         dst = torch.tensor([s.slot for s in lead.siblings], device=self.device)

@@ -36,7 +36,7 @@ class FinishReason(str, Enum):
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it predicts it)
     top: list[tuple[int, float]]
 
 
@@ -53,6 +53,7 @@ class SequenceOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # with a sequence's first token, when asked for
 
 
 class Sequence:
@@ -73,6 +74,7 @@ class Sequence:
         self.siblings: list[Sequence] = []  # n > 1: the sequences that fork off this one's prefill
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []  # filled chunk by chunk when params.prompt_logprobs is set
 
     @property
     def num_prompt_tokens(self) -> int:

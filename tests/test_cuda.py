@@ -189,3 +189,19 @@ def test_hf_layout_matches_fla_model(tmp_path):
     got = ours.prefill([prompt], [0])[0]
     assert rel_err(got, expected) < 3e-2, rel_err(got, expected)  # a wrong name mapping gives ~1
     assert fla_models is not None
+
+
+def test_prompt_logprobs_on_cuda_match_the_reference(small_weights):
+    """Packed prefill with scoring (two chunks, one scored from its start, one not) == the reference's."""
+    ref, fast = reference(small_weights, 3), build(small_weights, torch.float32, 3, eager=True)
+    first, second = list(range(5, 69)), list(range(300, 340))
+    score = {0: (first[1:], 4)}
+    for model in (ref, fast):
+        model.pool.wkv.zero_()
+    want_rows, want = ref.prefill_with_scores([first, second], [0, 1], score)
+    got_rows, got = fast.prefill_with_scores([first, second], [0, 1], score)
+    assert set(got) == {0} and len(got[0]) == len(first) - 1
+    assert rel_err(got_rows, want_rows) < 2e-3
+    for g, w in zip(got[0], want[0]):
+        assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 2e-2
+        assert [i for i, _ in g.top] == [i for i, _ in w.top]

@@ -118,9 +118,9 @@ def test_n_choices_share_one_prefill(tiny_weights):
     engine.add(Request("g", prompt, SamplingParams(max_tokens=6, temperature=0.0), n=3))
     engine.add(Request("s", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=1), n=3))
     prefill_tokens = []
-    real_prefill = engine.runner.model.prefill
-    engine.runner.model.prefill = lambda chunks, slots: (prefill_tokens.append(sum(map(len, chunks))),
-                                                         real_prefill(chunks, slots))[1]
+    real_prefill = engine.runner.model.prefill_with_scores
+    engine.runner.model.prefill_with_scores = lambda chunks, slots, score: (
+        prefill_tokens.append(sum(map(len, chunks))), real_prefill(chunks, slots, score))[1]
     outs = run_all(engine)
     assert sum(prefill_tokens) == 2 * len(prompt)  # once per request, not once per choice
     greedy = [generated(outs, "g", i) for i in range(3)]
@@ -173,3 +173,35 @@ def test_empty_prompt_and_bad_requests(tiny_weights):
     with pytest.raises(ValueError, match="n must be"):
         engine.add(Request("n", [1], SamplingParams(), n=100))
     assert not engine.has_work()
+
+
+def test_prompt_logprobs_match_official_package(tiny_model_path, tiny_weights):
+    """Each prompt token's logprob (and the top 3 there) against the official package's per-position logits,
+    through chunked prefill (chunks of 16) and n = 2: the first token has none, every choice gets the list
+    with its first token only."""
+    from rwkv.model import RWKV
+    official = RWKV(model=str(tiny_model_path)[:-4], strategy="cpu fp32")
+    prompt = tokens(37, seed=9)
+    expected, state = [], None
+    for t in prompt[:-1]:
+        logits, state = official.forward([t], state)
+        expected.append(torch.log_softmax(logits.double(), -1))
+    engine = make_engine(tiny_weights, max_num_batched_tokens=16)
+    engine.add(Request("p", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                                  prompt_logprobs=3), n=2))
+    outs = run_all(engine)
+    for index in (0, 1):
+        first, *rest = outs["p", index]
+        assert all(o.prompt_logprobs is None for o in rest)
+        entries = first.prompt_logprobs
+        assert [e.token_id for e in entries] == prompt
+        assert entries[0].logprob is None and entries[0].top == []
+        for pos, (entry, ref) in enumerate(zip(entries[1:], expected)):
+            assert abs(entry.logprob - ref[prompt[pos + 1]].item()) < 1e-4, pos
+            assert [i for i, _ in entry.top] == ref.topk(3).indices.tolist(), pos
+            assert all(abs(lp - ref[i].item()) < 1e-4 for i, lp in entry.top), pos
+    plain = make_engine(tiny_weights, max_num_batched_tokens=16)
+    plain.add(Request("q", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+    q = run_all(plain)["q", 0]
+    assert all(o.prompt_logprobs is None for o in q)
+    assert [t for o in q for t in o.token_ids] == generated(outs, "p", 0)  # scoring changes nothing generated

@@ -33,6 +33,8 @@ from engine.cuda.graphs import DecodeGraphs
 from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, lora_up, pack_time_mix_in,
                                  prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out, relu_square_, small_matmul,
                                  small_matmul_partials, split_k, time_mix_in, wkv7_decode)
+from engine.scoring import score_positions
+from engine.sequence import TokenLogprob
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
@@ -186,9 +188,15 @@ class CudaRwkv7:
 
     # -- prefill ---------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor:
         """All chunks packed into one sequence with ``cu_seqlens``; returns each chunk's last logits."""
+        return self.prefill_with_scores(chunks, slots, {})[0]
+
+    @torch.inference_mode()
+    def prefill_with_scores(self, chunks: list[list[int]], slots: list[int], score: dict[int, tuple[list[int], int]]
+                            ) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+        """``prefill``, and for each chunk ``i`` in ``score`` = {i: (targets, k)}: the logprobs of ``targets``
+        predicted by the chunk's first ``len(targets)`` positions (``engine.scoring``)."""
         device = self.emb.device
         lengths = [len(c) for c in chunks]
         cu_cpu = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
@@ -207,7 +215,10 @@ class CudaRwkv7:
             x.addmm_(att, L.output.t())
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
             self._channel_mix(L, kx, x)
-        return self._head(F.layer_norm(x[cu[1:] - 1], (self.shape.n_embd,), *self.ln_out))
+        normed = lambda rows: F.layer_norm(rows, (self.shape.n_embd,), *self.ln_out)  # noqa: E731
+        scores = {i: score_positions(normed(x[int(cu_cpu[i]):int(cu_cpu[i]) + len(targets)]), self._head, targets, k)
+                  for i, (targets, k) in score.items()}
+        return self._head(normed(x[cu[1:] - 1])), scores
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
         from fla.ops.rwkv7 import chunk_rwkv7
