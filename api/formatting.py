@@ -50,12 +50,13 @@ class Formatter:
     def token_str(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def logprobs(self, index: int, entries: list[dict] | None) -> dict | None:
-        if entries is None:
+    def logprobs(self, index: int, entries: list[dict] | None, prompt: list[dict] | None = None) -> dict | None:
+        """``prompt``: the echoed prompt's entries (completions), placed before the generated ones."""
+        if entries is None and prompt is None:
             return None
         if self.shape.endpoint == "chat":
-            return {"content": [self._chat_logprob(e) for e in entries]}
-        return self._completion_logprobs(index, entries)
+            return {"content": [self._chat_logprob(e) for e in entries or []]}
+        return self._completion_logprobs(index, entries or [], prompt)
 
     def _chat_logprob(self, e: dict) -> dict:
         def item(token_id: int, logprob: float) -> dict:
@@ -63,20 +64,28 @@ class Formatter:
             return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
         return {**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e.get("top") or []]}
 
-    def _completion_logprobs(self, index: int, entries: list[dict]) -> dict:
-        offset = self._offsets.get(index, self._echo_len(index))
+    def _completion_logprobs(self, index: int, entries: list[dict], prompt: list[dict] | None) -> dict:
         tokens, offsets, tops = [], [], []
-        for e in entries:
-            token = self.token_str(e["token_id"])
-            top = {self.token_str(t): lp for t, lp in e.get("top") or []}
-            top.setdefault(token, e["logprob"])  # OpenAI: up to logprobs + 1 entries, the sampled one included
-            tokens.append(token)
-            offsets.append(offset)
-            tops.append(top)
-            offset += len(token)
-        self._offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
-                "text_offset": offsets}
+
+        def add(run: list[dict], offset: int) -> int:
+            for e in run:
+                token = self.token_str(e["token_id"])
+                top = None  # a prompt's first token: nothing predicts it (OpenAI: null)
+                if e["logprob"] is not None:
+                    top = {self.token_str(t): lp for t, lp in e.get("top") or []}
+                    top.setdefault(token, e["logprob"])  # OpenAI: up to logprobs + 1 entries, the chosen included
+                tokens.append(token)
+                offsets.append(offset)
+                tops.append(top)
+                offset += len(token)
+            return offset
+
+        if prompt is not None:
+            add(prompt, 0)
+            self._offsets.setdefault(index, self._echo_len(index))  # generated text starts after the echo
+        self._offsets[index] = add(entries, self._offsets.get(index, self._echo_len(index)))
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in (prompt or []) + entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
     def _echo_len(self, index: int) -> int:
         echo = self.shape.echo_texts
@@ -104,7 +113,8 @@ class Formatter:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = text
-        out["logprobs"] = self.logprobs(index, ch.logprobs)
+        prompt = ch.prompt_logprobs if self.shape.echo_texts else None
+        out["logprobs"] = self.logprobs(index, ch.logprobs, prompt)
         out["finish_reason"] = ch.finish_reason or FINISH_ABORT
         out["stop_reason"] = ch.stop_reason
         return out
@@ -112,7 +122,7 @@ class Formatter:
     # -- stream chunks -----------------------------------------------------------------------
 
     def chunk(self, index: int, text: str, *, logprobs: list[dict] | None = None, finish_reason: str | None = None,
-              role: bool = False) -> dict:
+              role: bool = False, prompt_logprobs: list[dict] | None = None) -> dict:
         choice: dict = {"index": index}
         if self.shape.endpoint == "chat":
             delta: dict = {"role": "assistant"} if role else {}
@@ -121,7 +131,7 @@ class Formatter:
             choice["delta"] = delta
         else:
             choice["text"] = text
-        choice["logprobs"] = self.logprobs(index, logprobs)
+        choice["logprobs"] = self.logprobs(index, logprobs, prompt_logprobs)
         choice["finish_reason"] = finish_reason
         return self._chunk([choice])
 

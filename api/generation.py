@@ -64,10 +64,6 @@ class GenerationService:
             log.info("request rejected: no live worker", extra={"request_id": job.id})
             raise OpenAIError(503, "no generation worker is alive; try again later", code="no_workers",
                               headers=retry)
-        slots = min((w.num_slots for w in live), default=0)
-        if slots and job.shape.n > slots:  # a worker would dead-letter it: n sequences need n slots
-            raise OpenAIError(400, f"n must be at most {slots} (the sequence slots of the smallest live worker), "
-                                   f"got {job.shape.n}", param="n", code="invalid_value")
 
     async def submit(self, job: Job, inbox: asyncio.Queue) -> None:
         """Subscribe (confirmed) to every output channel, then write the records and XADD."""

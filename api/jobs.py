@@ -57,9 +57,9 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
     prompts = await completion_prompts(body.prompt, tokenizer, limits.vocab_size)
     if is_async and len(prompts) > 1:
         raise bad_request("an async request takes one prompt; submit one request per prompt", "prompt")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
     params = completion_params(body, limits.vocab_size)
+    if body.echo and body.logprobs is not None:  # the echoed prompt comes with its logprobs (OpenAI)
+        params["prompt_logprobs"] = body.logprobs
     max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit=body.max_tokens is not None)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,

@@ -58,6 +58,9 @@ class StreamSession:
         self._last_delta: dict[str, float] = {}
         self._first_token_seen = False
         self._closed = False
+        # echo with logprobs: a choice's echo waits for its prompt logprobs (they come with its first delta)
+        self.echo_pending: dict[int, str] = {}
+        self.echo_logprobs = bool(job.shape.echo_texts) and job.requests[0].params.get("prompt_logprobs") is not None
 
     async def events(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
@@ -110,9 +113,20 @@ class StreamSession:
         frames = []
         for p, text in enumerate(echo):
             for j in range(n):
+                if self.echo_logprobs:
+                    self.echo_pending[p * n + j] = text
+                    continue
                 self.sent[p * n + j] = ""
                 frames.append(sse_event(self.formatter.chunk(p * n + j, text)))
         return frames
+
+    def _pending_echo(self, index: int, prompt_logprobs: list[dict] | None) -> list[bytes]:
+        """The echo of a choice that waited for its prompt logprobs: sent before its first tokens."""
+        if index not in self.echo_pending:
+            return []
+        self.sent[index] = ""
+        text = self.echo_pending.pop(index)
+        return [sse_event(self.formatter.chunk(index, text, prompt_logprobs=prompt_logprobs or []))]
 
     def _on_delta(self, msg: dict, now: float) -> list[bytes]:
         rid = msg["id"]
@@ -123,6 +137,7 @@ class StreamSession:
             index = base + ch["index"]
             if index in self.finished:
                 continue
+            frames += self._pending_echo(index, ch.get("prompt_logprobs"))
             sent = self.sent.get(index, "")
             text, logprobs = c.skip_seen(ch, len(sent), self.tokens_sent.get(index, 0))
             finish = ch.get("finish_reason")
@@ -172,6 +187,7 @@ class StreamSession:
             index = base + ch.index
             if index in self.finished:
                 continue
+            frames += self._pending_echo(index, ch.prompt_logprobs)
             first = index not in self.sent
             sent = self.sent.get(index, "")
             rest = ch.text[len(sent):] if ch.text.startswith(sent) else ""

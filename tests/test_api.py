@@ -207,6 +207,46 @@ def test_unknown_fields_are_ignored_and_echo_prepends_the_prompt(client):
     assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
 
 
+def engine_prompt_logprobs(engine, prompt_ids: list[int], k: int) -> list:
+    """The engine's prompt logprobs for ``prompt_ids`` (the reference for echo + logprobs)."""
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    engine.add(Request(f"ref-{uuid.uuid4().hex}", list(prompt_ids),
+                       SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)))
+    entries = None
+    while engine.has_work():
+        for out in engine.step():
+            entries = out.prompt_logprobs if out.prompt_logprobs is not None else entries
+    return entries
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, http, engine):
+    """What evaluation harnesses send for log-likelihoods (echo, logprobs, a token or so): the prompt's tokens
+    with their logprobs (the first null) before the generated ones, streamed or not."""
+    ids = engine.tokenizer.encode(PROMPT)
+    expected = engine_prompt_logprobs(engine, ids, 2)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(PROMPT)
+    assert len(lp.tokens) == len(ids) + r.usage.completion_tokens
+    assert "".join(lp.tokens[:len(ids)]) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for got, want in zip(lp.token_logprobs[1:len(ids)], expected[1:]):
+        assert got == pytest.approx(want.logprob, abs=1e-4)
+    for top, want in zip(lp.top_logprobs[1:len(ids)], expected[1:]):
+        assert 2 <= len(top) <= 3 and {engine.tokenizer.decode([i]) for i, _ in want.top} <= set(top)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = sse_data(http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                                          "temperature": 0, "echo": True, "logprobs": 2,
+                                                          "stream": True}))
+    echoed = chunks[0]["choices"][0]
+    assert echoed["text"] == PROMPT and echoed["logprobs"]["tokens"] == lp.tokens[:len(ids)]
+    assert echoed["logprobs"]["token_logprobs"] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-6)
+    streamed = [t for ch in chunks if isinstance(ch, dict) and ch["choices"]
+                for t in (ch["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == lp.text_offset
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 def test_errors_raise_the_sdk_exceptions(client, stack, http):

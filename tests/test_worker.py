@@ -141,14 +141,14 @@ def test_a_request_that_breaks_the_step_is_isolated(r, redis_url, tiny_weights):
     poison_token = 4242
     w = InProcessWorker(tiny_weights, redis_url)
     model = w.engine.runner.model
-    real_prefill = model.prefill
+    real_prefill = model.prefill_with_scores
 
-    def failing_prefill(chunks, slots):  # fault injection: this prompt crashes the model
+    def failing_prefill(chunks, slots, score):  # fault injection: this prompt crashes the model
         if any(poison_token in chunk for chunk in chunks):
             raise RuntimeError("simulated kernel failure")
-        return real_prefill(chunks, slots)
+        return real_prefill(chunks, slots, score)
 
-    model.prefill = failing_prefill
+    model.prefill_with_scores = failing_prefill
     rids = [f"ok-{i}" for i in range(6)]
     for i, rid in enumerate(rids[:3]):
         submit(r, rid, prompt(i), max_tokens=5, temperature=0.0)

@@ -177,11 +177,14 @@ def request_id_of(fields: dict) -> str | None:
 # Published on out_channel(id), in this order: status, deltas, final (the final only once result_key(id)
 # is set).
 #   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "offset", "text_offset",
-#                                                 "logprobs"?, "finish_reason"?, "stop_reason"?}]}
+#                                                 "logprobs"?, "prompt_logprobs"?, "finish_reason"?,
+#                                                 "stop_reason"?}]}
 #       At most one entry per index. An entry carries the next one or more tokens of that choice: a worker
 #       publishes one delta per request per Redis write, and a write covers every step since the last one
 #       (one step while Redis keeps up). text and token_ids are those tokens' text and ids, in order; logprobs
-#       (when asked for) one entry per token; finish_reason and stop_reason are set on the choice's last delta.
+#       (when asked for) one entry per token; prompt_logprobs (when asked for: params.prompt_logprobs) on the
+#       choice's first delta, one entry per prompt token, the first with logprob null; finish_reason and
+#       stop_reason are set on the choice's last delta.
 #       Concatenating a choice's deltas in order gives the final result's text and token_ids.
 #       Deltas are at most once, like pub/sub itself (a worker retries a failed write without them): a reader
 #       that missed some takes the rest of the text from the final result.
@@ -252,6 +255,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict] | None = None  # [{"token_id", "logprob", "top": [[id, lp], ...]}]
+    prompt_logprobs: list[dict] | None = None  # the same per prompt token (the first: logprob None), when asked
 
 
 @dataclass

@@ -90,6 +90,8 @@ def delta_choice(flight, out) -> dict:
     choice = {"index": out.index, "text": out.text, "token_ids": out.token_ids}
     if flight.wants_logprobs and out.logprobs:
         choice["logprobs"] = logprob_dicts(out.logprobs)
+    if out.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = logprob_dicts(out.prompt_logprobs)
     if out.finished:
         choice["finish_reason"], choice["stop_reason"] = out.finish_reason, out.stop_reason
     return choice
@@ -135,6 +137,8 @@ def merge_choice(by_index: dict[int, dict], choice: dict) -> None:
     prev["token_ids"] = prev["token_ids"] + choice["token_ids"]
     if "logprobs" in choice:
         prev["logprobs"] = prev.get("logprobs", []) + choice["logprobs"]
+    if "prompt_logprobs" in choice:
+        prev["prompt_logprobs"] = choice["prompt_logprobs"]
     if "finish_reason" in choice:
         prev["finish_reason"], prev["stop_reason"] = choice["finish_reason"], choice["stop_reason"]
 

@@ -32,10 +32,12 @@ class InFlight:
         self.text_len = [0] * req.n  # characters generated per choice: deltas carry offsets from these
         self.num_prompt_tokens = len(req.prompt_token_ids) or 1
         self.wants_logprobs = req.params.get("logprobs") is not None
+        self.wants_prompt_logprobs = req.params.get("prompt_logprobs") is not None
         self.unfinished = req.n  # choices the engine has not finished (step thread only)
         self.publishes = req.stream or req.record_text  # its outputs are published or appended
         self.watched = False  # async (record_text) requests: an /events stream watches it (reader thread sets it)
-        self.simple = req.stream and req.n == 1 and not self.wants_logprobs and not req.record_text
+        self.simple = (req.stream and req.n == 1 and not self.wants_logprobs and not self.wants_prompt_logprobs
+                       and not req.record_text)
         # read by the writer thread, encoded once here
         self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
         self.publish_head = b"*3\r\n$7\r\nPUBLISH\r\n" + self.channel_bulk  # a PUBLISH up to its message
@@ -61,6 +63,8 @@ class InFlight:
         self.text_len[out.index] += len(out.text)
         if self.wants_logprobs and out.logprobs:
             choice.logprobs = (choice.logprobs or []) + logprob_dicts(out.logprobs)
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = logprob_dicts(out.prompt_logprobs)
         if out.finished:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             return True
