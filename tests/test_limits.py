@@ -144,3 +144,8 @@ def test_a_smaller_vocabulary_bounds_prompt_ids_logit_bias_and_stop_ids():
     job = asyncio.run(completion_job(CompletionRequest.model_validate({"prompt": [5, 999], "logit_bias": {"999": 2}}),
                                      "t", settings, tokenizer, limits))
     assert job.requests[0].prompt_token_ids == [5, 999]
+
+
+def test_results_of_newer_workers_decode():
+    data = orjson.dumps({"v": c.SCHEMA_VERSION, "id": "r", "choices": [{"index": 0, "text": "a", "new_field": 1}]})
+    assert c.Result.decode(data).choices[0].text == "a"

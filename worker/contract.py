@@ -287,7 +287,8 @@ class Result:
     def from_dict(cls, obj: dict) -> "Result":
         obj = dict(obj)
         obj.pop("v", None)
-        obj["choices"] = [Choice(**c) for c in obj.get("choices", [])]
+        known = {f.name for f in fields(Choice)}  # fields a newer worker adds are ignored
+        obj["choices"] = [Choice(**{k: v for k, v in c.items() if k in known}) for c in obj.get("choices", [])]
         return cls(**obj)
 
     @classmethod
