@@ -44,6 +44,10 @@ import triton.language as tl
 DECAY_SCALE = 0.606531  # exp(-0.5)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _pdl_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -54,7 +58,7 @@ def pdl(device: torch.device) -> bool:
     ``GAGGLE_PDL=0``."""
     if device.type != "cuda" or os.environ.get("GAGGLE_PDL", "1") == "0":
         return False
-    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+    return _pdl_supported(_device_index(device))
 
 
 @triton.jit
@@ -353,8 +357,7 @@ def split_k(rows: int, K: int, device: torch.device) -> int:
     """How many K slices a weight-streaming launch over ``rows`` output rows gets: enough programs to give
     every SM one, each slice ≥ 256 wide. Depends on the shape only, never on the batch (a row's sum must not
     depend on how many rows share its step)."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 132
+    sms = _sm_count(_device_index(device)) if device.type == "cuda" else 132
     split = 1
     while split < MAX_SPLIT and triton.cdiv(rows, 64) * split < SPLIT_FILL * sms and K // (2 * split) >= 256:
         split *= 2

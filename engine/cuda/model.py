@@ -126,7 +126,7 @@ class CudaRwkv7:
 
     def _decode_large(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """cuBLAS projections; LayerNorm+shift and wkv overlap the GEMMs before them (PDL)."""
-        pool, C = self.pool, self.shape.n_embd
+        pool = self.pool
         x = self.emb[token_ids]
         v_first, att_mixed, ffn_mixed, att = self._step_buffers(token_ids.shape[0])
         for i, L in enumerate(self.layers):
@@ -137,7 +137,7 @@ class CudaRwkv7:
             x.addmm_(att, L.output.t())
             ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=True)
             self._channel_mix(L, ffn_mixed[0], x)
-        return self._head(F.layer_norm(x, (C,), *self.ln_out))
+        return self._head(self._normed(x))
 
     def _decode_small(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Up to 16 rows: every projection streams its weights through our kernel, split along K where that
@@ -159,7 +159,7 @@ class CudaRwkv7:
             h = small_matmul(ffn_mixed[0], L.ffn_key, ACT_RELU_SQUARE)
             residual = small_matmul_partials(h, L.ffn_value, L.splits[2])
         x = (x.float() + residual.sum(0)).to(self.dtype)
-        return self._head(F.layer_norm(x, (C,), *self.ln_out))
+        return self._head(self._normed(x))
 
     @staticmethod
     def _time_mix_projections(L: Layer, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +174,10 @@ class CudaRwkv7:
     def _channel_mix(L: Layer, mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """cuBLAS: ``x + relu(mixed @ key.T)² @ value.T``, in place."""
         return x.addmm_(relu_square_(F.linear(mixed, L.ffn_key)), L.ffn_value.t())
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The output LayerNorm (what the head reads)."""
+        return F.layer_norm(x, (self.shape.n_embd,), *self.ln_out)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits straight out of the matmul where torch can (no separate [B, vocab] cast pass)."""
@@ -215,10 +219,10 @@ class CudaRwkv7:
             x.addmm_(att, L.output.t())
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
             self._channel_mix(L, kx, x)
-        normed = lambda rows: F.layer_norm(rows, (self.shape.n_embd,), *self.ln_out)  # noqa: E731
-        scores = {i: score_positions(normed(x[int(cu_cpu[i]):int(cu_cpu[i]) + len(targets)]), self._head, targets, k)
+        scores = {i: score_positions(self._normed(x[int(cu_cpu[i]):int(cu_cpu[i]) + len(targets)]), self._head,
+                                     targets, k)
                   for i, (targets, k) in score.items()}
-        return self._head(normed(x[cu[1:] - 1])), scores
+        return self._head(self._normed(x[cu[1:] - 1])), scores
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
         from fla.ops.rwkv7 import chunk_rwkv7
