@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, RedisError
 
 from api.pubsub import Multiplexer
 from worker import contract as c
@@ -18,6 +22,18 @@ log = logging.getLogger(__name__)
 
 CLIENT_NAME = "gaggle-api"
 PUBSUB_CLIENT_NAME = "gaggle-api-pubsub"  # the one subscriber connection of an API process (CLIENT LIST)
+TENANTS_CACHE_S = 1.0  # how long the list of tenants (their streams) is reused for queue depths
+
+
+def resilient_client(redis_url: str, name: str, **kwargs) -> aioredis.Redis:
+    """A client that survives a Redis restart: a command on a stale pooled connection reconnects and is retried
+    (backoff 50 ms doubling to 1 s, ~2.5 s in all, then the error), and idle connections are checked first.
+    A retried write may run twice if Redis ran it and the reply was lost; every write here is idempotent by
+    request id (or harmless twice: an XADD of the same request is a duplicate delivery the workers skip)."""
+    return aioredis.Redis.from_url(
+        redis_url, client_name=name, socket_connect_timeout=5, health_check_interval=5,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6, supported_errors=(ConnectionError,)),
+        **kwargs)
 
 
 @dataclass
@@ -32,37 +48,49 @@ class Snapshot:
 
 class Broker:
     def __init__(self, redis_url: str, worker_cache_s: float = 1.0):
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5,
-                                             client_name=CLIENT_NAME)
-        self._pubsub_client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5,
-                                                      client_name=PUBSUB_CLIENT_NAME)
+        self.redis = resilient_client(redis_url, CLIENT_NAME, socket_timeout=10)
+        self._pubsub_client = resilient_client(redis_url, PUBSUB_CLIENT_NAME)
         self.channels = Multiplexer(self._pubsub_client)
+        # This process's lease: workers cancel its sync requests once it lapses (the process died).
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._worker_cache_s = worker_cache_s
         self._workers: list[c.Heartbeat] = []
         self._workers_at = -1e9
         self._workers_lock = asyncio.Lock()
+        self._tenants: list[str] = []
+        self._tenants_at = -1e9
         self._background: set[asyncio.Task] = set()
+        self._lease_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.channels.start()
+        self._lease_task = asyncio.create_task(self._keep_lease(), name="gaggle-api-lease")
 
     async def stop(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            await asyncio.gather(self._lease_task, return_exceptions=True)
         if self._background:
             await asyncio.wait(self._background, timeout=5.0)
         await self.channels.stop()
         await self._pubsub_client.aclose()
         await self.redis.aclose()
 
+    async def _keep_lease(self) -> None:
+        while True:
+            try:
+                await self.redis.set(c.owner_key(self.owner), 1, px=int(c.OWNER_TTL_S * 1000))
+            except (RedisError, OSError) as e:
+                log.warning("could not refresh the API lease", extra={"owner": self.owner, "error": str(e)})
+            await asyncio.sleep(c.OWNER_REFRESH_S)
+
     # -- requests --------------------------------------------------------------------------
 
     async def enqueue(self, requests: list[c.QueuedRequest]) -> None:
-        """Write each request's record, then add it to its stream (one MULTI)."""
+        """Write each request's record, then add it to its tenant's stream (one MULTI)."""
         pipe = self.redis.pipeline(transaction=True)
         for req in requests:
-            key = c.request_key(req.id)
-            pipe.hset(key, mapping=c.request_record(req))
-            pipe.expire(key, c.REQUEST_RECORD_TTL_S)
-            pipe.xadd(req.stream_key, req.encode())
+            req.enqueue(pipe)
         await pipe.execute()
 
     async def cancel(self, request_ids: list[str]) -> None:
@@ -148,12 +176,23 @@ class Broker:
                     log.warning("undecodable heartbeat", extra={"error": str(e)})
         return beats
 
-    async def queue_depth(self) -> dict[str, int]:
-        """XLEN per request stream: workers XDEL after XACK, so this is queued + in flight."""
+    async def tenants(self) -> list[str]:
+        """Tenants that ever queued a request (their streams), cached for TENANTS_CACHE_S."""
+        now = time.monotonic()
+        if now - self._tenants_at >= TENANTS_CACHE_S:
+            self._tenants = sorted(t.decode() for t in await self.redis.zrange(c.TENANTS, 0, -1))
+            self._tenants_at = now
+        return self._tenants
+
+    async def queue_depth(self, tenant: str | None = None) -> dict[str, int]:
+        """XLEN per request stream (every tenant's, or one tenant's): workers XDEL after XACK, so this is
+        queued + in flight."""
+        tenants = [tenant] if tenant is not None else await self.tenants()
+        streams = [c.request_stream(p, t) for t in tenants for p in c.PRIORITIES]
         pipe = self.redis.pipeline(transaction=False)
-        for stream in c.STREAMS:
+        for stream in streams:
             pipe.xlen(stream)
-        return dict(zip(c.STREAMS, await pipe.execute()))
+        return dict(zip(streams, await pipe.execute()))
 
     async def ping(self) -> bool:
         try:

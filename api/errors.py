@@ -114,16 +114,11 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONB
     message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
     if status == 404:
         message = f"no route {request.method} {request.url.path}"
-    return OpenAIError(status, message, headers=getattr(exc, "headers", None)).response()
-
-
-async def _on_unexpected(request: Request, exc: Exception) -> JSONBytesResponse:
-    log.exception("unhandled error", extra={"path": request.url.path})
-    return OpenAIError(500, "internal server error", type="server_error").response()
+    code = "request_too_large" if status == 413 else None
+    return OpenAIError(status, message, code=code, headers=getattr(exc, "headers", None)).response()
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)

@@ -54,6 +54,7 @@ class Job:
 async def completion_job(body: CompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
                          limits: Limits, is_async: bool = False) -> Job:
     n = _check_n(body.n, limits)
+    _check_sequences(_num_prompts(body.prompt) * n, settings)
     prompts = await completion_prompts(body.prompt, tokenizer, limits.vocab_size)
     if is_async and len(prompts) > 1:
         raise bad_request("an async request takes one prompt; submit one request per prompt", "prompt")
@@ -70,6 +71,7 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
 async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
                    limits: Limits, is_async: bool = False) -> Job:
     n = _check_n(body.n, limits)
+    _check_sequences(n, settings)
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
     text = render_chat(body.messages, settings, add_generation_prompt)
     prompts = [Prompt(await encode(tokenizer, text), text)]
@@ -86,6 +88,20 @@ def _check_n(n: int | None, limits: Limits) -> int:
     if n > limits.max_n:
         raise bad_request(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     return n
+
+
+def _num_prompts(prompt) -> int:
+    """A string or a token list is one prompt; a list of strings or of token lists is one each."""
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+
+
+def _check_sequences(count: int, settings: Settings) -> None:
+    """One call may not queue more than max_sequences_per_call sequences (prompts × n): a bound on what a single
+    call can put ahead of everyone else's."""
+    if count > settings.max_sequences_per_call:
+        raise bad_request(f"this call asks for {count} sequences (prompts × n); the limit per call is "
+                          f"{settings.max_sequences_per_call}: split it into several calls or use the Batch API",
+                          "prompt", code="too_many_sequences")
 
 
 def _include_usage(body) -> bool:

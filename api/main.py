@@ -15,6 +15,7 @@ from api.broker import Broker
 from api.errors import install_error_handlers
 from api.generation import GenerationService
 from api.metrics import Metrics, MetricsMiddleware
+from api.middleware import BodySizeLimit, CatchAll
 from api.routers import chat, completions, health, metrics, models, requests
 from api.settings import Settings
 from engine.tokenizer import WorldTokenizer
@@ -52,7 +53,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.started = int(time.time())
     app.state.metrics = Metrics()
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limit_for=lambda path: settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(CatchAll)  # outermost of ours: inside it, everything answers
     for module in (completions, chat, models, requests, health, metrics):
         app.include_router(module.router)
     return app

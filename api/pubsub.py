@@ -77,20 +77,36 @@ class Multiplexer:
                 ch = self._channels[name] = _Channel(loop.create_future())
                 new.append(name)
             ch.inboxes.add(inbox)
+        deadline = loop.time() + SUBSCRIBE_TIMEOUT_S
         try:
             if new:
-                async with self._lock:
-                    if self._pubsub.connection is None:  # only the listener makes the first connection
-                        raise RedisError("not connected to redis yet")
-                    await self._pubsub.subscribe(*new)
+                await self._send_subscribe(new, deadline)
             waits = [asyncio.shield(self._channels[name].confirmed) for name in channels]
-            await asyncio.wait_for(asyncio.gather(*waits), SUBSCRIBE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*waits), max(0.0, deadline - loop.time()))
         except (RedisError, OSError, asyncio.TimeoutError) as e:
             self.unsubscribe_soon(channels, inbox)
             raise SubscribeTimeout(f"could not subscribe to the output channel: {e!r}") from e
         except BaseException:  # cancelled: leave nothing registered
             self.unsubscribe_soon(channels, inbox)
             raise
+
+    async def _send_subscribe(self, names: list[str], deadline: float) -> None:
+        """SUBSCRIBE, retried until ``deadline`` while the connection is down or being re-established (after a
+        Redis restart the listener reconnects; the first command may meet the dead socket)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                async with self._lock:
+                    if self._pubsub.connection is None:  # only the listener makes the first connection
+                        raise RedisError("not connected to redis yet")
+                    wanted = [name for name in names if name in self._channels]
+                    if wanted:
+                        await self._pubsub.subscribe(*wanted)
+                return
+            except (RedisError, OSError):
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def unsubscribe(self, channels: list[str], inbox: asyncio.Queue) -> None:
         await self._send_unsubscribe(self._forget(channels, inbox))

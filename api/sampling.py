@@ -33,7 +33,7 @@ def _common(body: SamplingFields, max_tokens: int, vocab_size: int) -> dict:
     logit_bias = {}
     for key, bias in (body.logit_bias or {}).items():
         token = key.strip()
-        if not token.isdigit() or int(token) >= vocab_size:
+        if not (token.isascii() and token.isdigit()) or int(token) >= vocab_size:  # "²".isdigit() too
             raise bad_request(f"logit_bias keys must be token ids 0..{vocab_size - 1} as strings, got {key!r}",
                               "logit_bias")
         logit_bias[str(int(token))] = bias  # str keys: the params travel as JSON

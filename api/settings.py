@@ -14,8 +14,11 @@ class Settings(BaseSettings):
     model_name: str = "rwkv-7"
     max_model_len: int = Field(1 << 20, ge=2)  # prompt + max_tokens, as the workers' engines enforce
     max_prompt_tokens: int = Field(32768, ge=1)
-    max_queue: int = Field(10_000, ge=0)  # XLEN of both request streams (queued + in flight)
+    max_queue: int = Field(10_000, ge=0)  # XLEN of every request stream (queued + in flight)
+    max_queue_per_tenant: int = Field(0, ge=0)  # the same for one tenant's streams; 0: only max_queue applies
     max_n: int = Field(16, ge=1)
+    max_sequences_per_call: int = Field(256, ge=1)  # prompts × n of one call
+    max_body_bytes: int = Field(4 << 20, ge=1024)  # a request body above this is a 413
     default_chat_max_tokens: int = Field(1024, ge=1)  # chat without max_tokens / max_completion_tokens
     request_timeout_s: float = Field(600.0, gt=0)  # sync requests: then cancelled and answered 504
     keepalive_s: float = Field(15.0, gt=0)  # SSE comment line while nothing else is sent

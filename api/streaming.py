@@ -55,6 +55,7 @@ class StreamSession:
         self.sent: dict[int, str] = {}  # text sent per choice index
         self.tokens_sent: dict[int, int] = {}  # tokens passed on per choice index (deltas of a re-run skip them)
         self.finished: set[int] = set()  # choice indices whose finish_reason was sent
+        self.gapped: set[int] = set()  # choices that missed deltas: the rest of their text comes from the result
         self._last_delta: dict[str, float] = {}
         self._first_token_seen = False
         self._closed = False
@@ -75,8 +76,10 @@ class StreamSession:
                         yield frame
                 elif msg["type"] == "final":
                     error = self._on_final(msg)
-                    for frame in self._finish_choices(self.results[msg["id"]], msg["id"]):
+                    frames, mismatch = self._finish_choices(self.results[msg["id"]], msg["id"])
+                    for frame in frames:
                         yield frame
+                    error = error or mismatch
                     if error is not None:
                         yield sse_event(error)
                         yield SSE_DONE
@@ -139,6 +142,12 @@ class StreamSession:
                 continue
             frames += self._pending_echo(index, ch.get("prompt_logprobs"))
             sent = self.sent.get(index, "")
+            if index in self.gapped or self._is_gap(ch, len(sent), self.tokens_sent.get(index, 0)):
+                if index not in self.gapped:
+                    log.warning("deltas missed (pub/sub reconnect?); the rest of the text comes with the result",
+                                extra={"request_id": rid, "index": index, "chars_sent": len(sent)})
+                    self.gapped.add(index)
+                continue
             text, logprobs = c.skip_seen(ch, len(sent), self.tokens_sent.get(index, 0))
             finish = ch.get("finish_reason")
             self.tokens_sent[index] = max(self.tokens_sent.get(index, 0),
@@ -179,8 +188,14 @@ class StreamSession:
             return error_body(err.get("message", f"the request {result.status}"), kind, code=err.get("code"))
         return None
 
-    def _finish_choices(self, result: c.Result, rid: str) -> list[bytes]:
-        """Close every choice the deltas did not finish (missed messages, cancel): the rest of its text."""
+    @staticmethod
+    def _is_gap(choice: dict, chars_sent: int, tokens_sent: int) -> bool:
+        """The delta starts past what was passed on: deltas in between were lost."""
+        return choice.get("text_offset", chars_sent) > chars_sent or choice.get("offset", tokens_sent) > tokens_sent
+
+    def _finish_choices(self, result: c.Result, rid: str) -> tuple[list[bytes], dict | None]:
+        """Close every choice the deltas did not finish (missed messages, cancel): the rest of its text and
+        logprobs from the result. The error to send if what was streamed is not where the result starts."""
         base = self.job.prompt_index(rid) * self.job.shape.n
         frames = []
         for ch in result.choices:
@@ -190,9 +205,15 @@ class StreamSession:
             frames += self._pending_echo(index, ch.prompt_logprobs)
             first = index not in self.sent
             sent = self.sent.get(index, "")
-            rest = ch.text[len(sent):] if ch.text.startswith(sent) else ""
             self.finished.add(index)
+            if not ch.text.startswith(sent):  # never report a stream complete with wrong or missing text
+                log.error("streamed text differs from the result", extra={"request_id": rid, "index": index})
+                return frames, error_body("the streamed text could not be reconciled with the final result; "
+                                          "retry the request", "server_error", code="stream_inconsistent")
+            rest = ch.text[len(sent):]
+            logprobs = ch.logprobs[self.tokens_sent.get(index, 0):] if ch.logprobs is not None else None
             self.sent[index] = sent + rest
-            frames.append(sse_event(self.formatter.chunk(index, rest, finish_reason=ch.finish_reason or FINISH_ABORT,
+            frames.append(sse_event(self.formatter.chunk(index, rest, logprobs=logprobs or None,
+                                                         finish_reason=ch.finish_reason or FINISH_ABORT,
                                                          role=first and self.job.endpoint == "chat")))
-        return frames
+        return frames, None

@@ -6,6 +6,7 @@ OpenAI API for the penalties (additive presence / frequency penalties).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -92,7 +93,88 @@ class SamplingParams:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
+    @classmethod
+    def from_wire(cls, d: object) -> "SamplingParams":
+        """Parameters as they travel in JSON (a queue entry), type-checked field by field before anything is
+        built from them: ints are ints (not floats, not bools), numbers are finite, lists hold what they
+        should. Unknown fields are ignored (a newer sender). Raises ValueError naming the field."""
+        _check(isinstance(d, dict), f"params must be an object, got {type(d).__name__}")
+        typed = {}
+        for name, value in d.items():
+            kind = _WIRE_KINDS.get(name)
+            if kind is not None:
+                typed[name] = kind(name, value)
+        return cls(**typed)
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+# -- wire types (see SamplingParams.from_wire) -----------------------------------------------------
+
+MAX_WIRE_INT = 2**63 - 1
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _int(name: str, value: object, low: int = -MAX_WIRE_INT - 1, high: int = MAX_WIRE_INT) -> int:
+    _check(type(value) is int, f"{name} must be an integer, got {type(value).__name__}")
+    _check(low <= value <= high, f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def _optional_int(name: str, value: object) -> int | None:
+    return None if value is None else _int(name, value)
+
+
+def _number(name: str, value: object) -> float:
+    _check(type(value) in (int, float), f"{name} must be a number, got {type(value).__name__}")
+    _check(math.isfinite(value), f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    _check(type(value) is bool, f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _token_ids(name: str, value: object) -> list[int]:
+    _check(type(value) is list, f"{name} must be a list of token ids, got {type(value).__name__}")
+    _check(len(value) <= MAX_STOP_TOKEN_IDS, f"{name} may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
+    return [_int(f"each {name} entry", t, 0, MAX_TOKEN_ID) for t in value]
+
+
+def _strings(name: str, value: object) -> list[str]:
+    if type(value) is str:
+        value = [value]
+    _check(type(value) is list and all(type(s) is str for s in value), f"{name} must be a list of strings")
+    return value
+
+
+def _logit_bias(name: str, value: object) -> dict[int, float]:
+    _check(type(value) is dict, f"{name} must be an object mapping token ids to numbers")
+    out = {}
+    for key, bias in value.items():
+        _check(type(key) is str and key.isascii() and key.isdigit() and len(key) <= 10,
+               f"{name} keys must be token ids written in digits, got {key!r}")
+        out[int(key)] = _number(f"{name}[{key}]", bias)
+    return out
+
+
+_WIRE_KINDS = {
+    "max_tokens": lambda n, v: _int(n, v, 1, MAX_TOKEN_ID),
+    "min_tokens": lambda n, v: _int(n, v, 0, MAX_TOKEN_ID),
+    "top_k": lambda n, v: _int(n, v, -1, MAX_TOKEN_ID),
+    "seed": _optional_int,
+    "logprobs": _optional_int,
+    "prompt_logprobs": _optional_int,
+    "temperature": _number, "top_p": _number, "min_p": _number, "presence_penalty": _number,
+    "frequency_penalty": _number, "repetition_penalty": _number,
+    "logit_bias": _logit_bias,
+    "stop": _strings,
+    "stop_token_ids": _token_ids,
+    "include_stop_str_in_output": _bool,
+    "ignore_eos": _bool,
+}

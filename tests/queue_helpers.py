@@ -17,12 +17,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def submit(r: redis.Redis, rid: str, prompt: list[int], priority: str = "interactive", n: int = 1,
-           stream: bool = False, **params) -> c.QueuedRequest:
+           stream: bool = False, tenant: str = c.DEFAULT_TENANT, **params) -> c.QueuedRequest:
     params.setdefault("max_tokens", 8)
-    req = c.QueuedRequest(id=rid, prompt_token_ids=prompt, params=params, n=n, stream=stream, priority=priority)
-    r.hset(c.request_key(rid), mapping={"status": c.STATUS_QUEUED, "created": req.created})
-    r.xadd(req.stream_key, req.encode())
+    req = c.QueuedRequest(id=rid, prompt_token_ids=prompt, params=params, n=n, stream=stream, priority=priority,
+                          tenant=tenant)
+    pipe = r.pipeline()
+    req.enqueue(pipe)
+    pipe.execute()
     return req
+
+
+def request_streams(r: redis.Redis) -> list[str]:
+    """Every tenant's request streams."""
+    tenants = [t.decode() for t in r.zrange(c.TENANTS, 0, -1)]
+    return [c.request_stream(p, t) for t in tenants for p in c.PRIORITIES]
 
 
 def result(r: redis.Redis, rid: str) -> c.Result | None:
@@ -46,7 +54,7 @@ def wait_results(r: redis.Redis, rids: list[str], timeout_s: float = 120.0) -> d
 
 def pending_count(r: redis.Redis) -> int:
     total = 0
-    for stream in c.STREAMS:
+    for stream in request_streams(r):
         try:
             total += r.xpending(stream, c.GROUP)["pending"]
         except redis.ResponseError:

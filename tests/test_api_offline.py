@@ -22,7 +22,7 @@ from api.errors import param_of
 from api.prompts import render_chat
 from api.schemas import ChatMessage
 from api.settings import Settings
-from tests.queue_helpers import REPO
+from tests.queue_helpers import REPO, request_streams
 from tests.test_api_support import ApiServer, flushed, is_openai_error, wait_for
 from worker import contract as c
 
@@ -52,8 +52,13 @@ def client(offline):
     return openai.OpenAI(base_url=offline.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
+DEFAULT_STREAM = c.request_stream("interactive", c.DEFAULT_TENANT)
+
+
 def clear_queue(r) -> None:
-    r.delete(*c.STREAMS)
+    streams = request_streams(r)
+    if streams:
+        r.delete(*streams)
 
 
 def set_fake_heartbeat(r) -> None:
@@ -149,7 +154,7 @@ def test_request_timeout_cancels_and_answers_504(offline, client):
         lines = [line for line in resp.iter_lines() if line]
     assert ": keep-alive" in lines  # while nothing else comes
     assert lines[-1] == "data: [DONE]" and orjson.loads(lines[-2][6:])["error"]["type"] == "timeout"
-    queued = [c.QueuedRequest.decode(fields) for _, fields in offline.r.xrange(c.STREAM_INTERACTIVE)]
+    queued = [c.QueuedRequest.decode(fields) for _, fields in offline.r.xrange(DEFAULT_STREAM)]
     assert len(queued) == 2 and all(offline.r.exists(c.cancel_key(q.id)) for q in queued)  # a worker would skip them
     assert all(q.deadline <= time.time() + 60 for q in queued)
 
@@ -160,7 +165,7 @@ def test_a_missed_final_message_is_found_by_polling(offline, client):
     answer = {}
     thread = threading.Thread(target=lambda: answer.update(r=client.completions.create(model="m", prompt="hello")))
     thread.start()
-    entry = wait_for(lambda: offline.r.xrange(c.STREAM_INTERACTIVE), 10, 0.01, "the queued request")
+    entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
     req = c.QueuedRequest.decode(entry[0][1])
     result = c.Result(id=req.id, status=c.STATUS_COMPLETED, choices=[c.Choice(0, "from the result key", [11, 12],
                                                                               "length")],
@@ -183,7 +188,7 @@ def test_merged_deltas_stream_their_tokens_in_order(offline):
 
     thread = threading.Thread(target=stream)
     thread.start()
-    entry = wait_for(lambda: offline.r.xrange(c.STREAM_INTERACTIVE), 10, 0.01, "the queued request")
+    entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
     rid = c.QueuedRequest.decode(entry[0][1]).id
     channel = c.out_channel(rid)
 
@@ -226,8 +231,9 @@ def test_no_live_worker_is_503_and_not_ready(offline, client):
 
 
 def fill_queue(r) -> None:
-    while r.xlen(c.STREAM_INTERACTIVE) < MAX_QUEUE:
-        r.xadd(c.STREAM_INTERACTIVE, {c.ENTRY_FIELD: b"{}"})
+    r.zadd(c.TENANTS, {c.DEFAULT_TENANT: time.time()})
+    while r.xlen(DEFAULT_STREAM) < MAX_QUEUE:
+        r.xadd(DEFAULT_STREAM, {c.ENTRY_FIELD: b"{}"})
 
 
 def test_full_queue_is_429_with_retry_after(offline, client):

@@ -20,7 +20,7 @@ from worker import contract as c
 def api_and_victim(redis_server, model_path, victim_name: str):
     """An empty Redis, the API, and the one worker the test will kill (short reclaim idle timeout)."""
     r = flushed(redis_server.url)
-    victim = start_worker(redis_server.url, str(model_path), victim_name, "--idle-timeout", "3")
+    victim = start_worker(redis_server.url, str(model_path), victim_name)
     api = ApiServer(redis_server.url, "--model-name", "tiny")
     try:
         api.wait_healthy()
@@ -38,7 +38,7 @@ def test_stream_carries_on_after_its_worker_is_killed(redis_server, tiny_model_p
         first = [next(stream) for _ in range(6)]
         victim.send_signal(signal.SIGKILL)
         victim.wait()
-        survivor = start_worker(redis_server.url, str(tiny_model_path), "survivor", "--idle-timeout", "3")
+        survivor = start_worker(redis_server.url, str(tiny_model_path), "survivor")
         rest = list(stream)
         streamed = "".join(ch.choices[0].text for ch in first + rest if ch.choices)
         rid = first[0].id
@@ -70,8 +70,7 @@ def test_async_events_carry_on_after_the_worker_is_killed(redis_server, tiny_mod
                         victim.send_signal(signal.SIGKILL)
                         victim.wait()
                         killed = True
-                        survivor = start_worker(redis_server.url, str(tiny_model_path), "survivor2",
-                                                "--idle-timeout", "3")
+                        survivor = start_worker(redis_server.url, str(tiny_model_path), "survivor2")
         final = events[-1]
         assert killed and final["object"] == "request" and final["status"] == "completed"
         text = "".join(e["choices"][0]["text"] for e in events[:-1])

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from tests.conftest import make_engine
-from tests.queue_helpers import (REPO, heartbeat, log_of, pending_count, result, start_worker, submit,
-                                 wait_results, wait_running)
+from tests.queue_helpers import (REPO, heartbeat, log_of, pending_count, request_streams, result, start_worker,
+                                 submit, wait_results, wait_running)
 from worker import contract as c
 from worker.worker import Worker, WorkerConfig
 
@@ -58,7 +58,7 @@ def test_thousand_requests_through_two_worker_processes(r, redis_url, tiny_model
     served_by = {res.worker for res in results.values()}
     assert served_by == {"w0", "w1"}  # both workers took a share
     assert pending_count(r) == 0
-    assert sum(r.xlen(s) for s in c.STREAMS) == 0  # acknowledged entries are deleted
+    assert sum(r.xlen(s) for s in request_streams(r)) == 0  # acknowledged entries are deleted
     # greedy is deterministic: the same prompt gives the same tokens whichever worker ran it
     again = [f"again-{i}" for i in range(3)]
     for i, rid in enumerate(again):
@@ -73,7 +73,7 @@ def test_sigkill_mid_generation_is_recovered_by_the_other_worker(r, redis_url, t
     rids = [f"kill-{i}" for i in range(50)]
     for i, rid in enumerate(rids):
         submit(r, rid, prompt(i), max_tokens=60, temperature=0.0, ignore_eos=True)
-    victim = start_worker(redis_url, str(tiny_model_path), "victim", "--idle-timeout", "3",
+    victim = start_worker(redis_url, str(tiny_model_path), "victim",
                           "--max-num-seqs", "64", "--max-num-batched-tokens", "512")
     if not wait_running(r, rids):  # all 50 mid-generation on the victim
         victim.kill()
@@ -81,7 +81,7 @@ def test_sigkill_mid_generation_is_recovered_by_the_other_worker(r, redis_url, t
     assert not any(result(r, rid) for rid in rids)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    survivor = start_worker(redis_url, str(tiny_model_path), "survivor", "--idle-timeout", "3",
+    survivor = start_worker(redis_url, str(tiny_model_path), "survivor",
                             "--max-num-seqs", "64", "--max-num-batched-tokens", "512")
     try:
         results = wait_results(r, rids, timeout_s=300)
@@ -107,7 +107,7 @@ def test_queued_requests_survive_a_redis_restart(tmp_path, tiny_model_path):
         server.stop()
         server = RedisServer(tmp_path / "data", port=server.port).start()
         client = redis.Redis.from_url(server.url)
-        assert client.xlen(c.STREAM_INTERACTIVE) == 20
+        assert client.xlen(c.request_stream("interactive", c.DEFAULT_TENANT)) == 20
         w = start_worker(server.url, str(tiny_model_path), "after-restart", "--burst")
         assert w.wait(timeout=300) == 0, log_of(w)
         assert all(res.status == "completed" for res in wait_results(client, rids, 5).values())
@@ -116,9 +116,10 @@ def test_queued_requests_survive_a_redis_restart(tmp_path, tiny_model_path):
 
 
 def test_poison_entries_are_dead_lettered_and_others_served(r, redis_url, tiny_weights):
-    r.xgroup_create(c.STREAM_INTERACTIVE, c.GROUP, id="0", mkstream=True)
-    r.xadd(c.STREAM_INTERACTIVE, {c.ENTRY_FIELD: b"{not json"})
-    r.xadd(c.STREAM_INTERACTIVE, {c.ENTRY_FIELD: orjson.dumps({"v": 99, "id": "future"})})
+    stream = c.request_stream("interactive", c.DEFAULT_TENANT)
+    r.zadd(c.TENANTS, {c.DEFAULT_TENANT: time.time()})
+    r.xadd(stream, {c.ENTRY_FIELD: b"{not json"})
+    r.xadd(stream, {c.ENTRY_FIELD: orjson.dumps({"v": 99, "id": "future"})})
     submit(r, "bad-token", [1, 999_999], max_tokens=4)
     submit(r, "bad-param", [1, 2], max_tokens=4, temperature=-1)
     good = [f"good-{i}" for i in range(5)]
@@ -232,7 +233,7 @@ def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_pat
                for res in wait_results(r, rids, 5).values())
     assert result(r, "late") is None
     assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 1
-    other = start_worker(redis_url, str(tiny_model_path), "other", "--burst", "--idle-timeout", "2")
+    other = start_worker(redis_url, str(tiny_model_path), "other", "--burst")
     assert other.wait(timeout=120) == 0
     assert result(r, "late").status == "completed"
 
@@ -254,7 +255,7 @@ def test_coalesced_steps_publish_one_merged_delta_per_request(r, redis_url):
     w = Worker(None, WorkerConfig(redis_url=redis_url, name="merge"))
     m = c.QueuedRequest(id="m", prompt_token_ids=[1], params={"logprobs": 0}, n=2, stream=True, record_text=True)
     one = c.QueuedRequest(id="one", prompt_token_ids=[1], params={}, stream=True)
-    flights = {req.id: InFlight(req, c.STREAM_INTERACTIVE, b"1-0") for req in (m, one)}
+    flights = {req.id: InFlight(req, m.stream_key, b"1-0") for req in (m, one)}
     flights["m"].watched = True  # an async request publishes deltas only while an /events stream watches it
     start = [op for req in (m, one) for op in (("start", flights[req.id]),
                                                 ("publish", c.out_channel(req.id), c.status_message(req.id, "running")))]

@@ -166,7 +166,7 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
         pipe = r.pipeline(transaction=False)
         for rid in rids:
             req = c.QueuedRequest(id=rid, prompt_token_ids=[1, 2, 3], params={"max_tokens": max_tokens}, stream=True)
-            pipe.xadd(req.stream_key, req.encode())
+            req.enqueue(pipe)
         pipe.execute()
         engine = NoComputeEngine(num_seqs, step_s)
         worker = Worker(engine, WorkerConfig(redis_url=server.url, name="bench"))

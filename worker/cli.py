@@ -99,17 +99,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_worker_name(device: str) -> str:
-    import socket
-    return f"{socket.gethostname()}-{device.replace(':', '')}"
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     if args.check:
-        return check_worker(args.redis_url, args.name or default_worker_name(args.device))
+        return check_worker(args.redis_url, args.name)
     from engine.engine import LLMEngine
     from engine.weights import ModelFormatError
-    from worker.worker import Worker, WorkerConfig
+    from worker.reader import NameInUse
+    from worker.worker import Worker, WorkerConfig, unique_worker_name
 
     config = engine_config_from_args(args)
     try:
@@ -118,29 +114,43 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
     device = config.resolved_device()
-    cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or default_worker_name(device),
-                       idle_timeout_s=args.idle_timeout, max_deliveries=args.max_deliveries,
-                       drain_timeout_s=args.drain_timeout)
+    cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
+                       max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:
         from worker.metrics import serve_worker_metrics
         serve_worker_metrics(worker, args.metrics_port)
-    worker.run(burst=args.burst)
+    try:
+        worker.run(burst=args.burst)
+    except NameInUse as e:
+        print(f"gaggle: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
-def check_worker(redis_url: str, name: str) -> int:
-    """Exit status for a container healthcheck: 0 if the worker's heartbeat is fresh."""
+def check_worker(redis_url: str, name: str | None) -> int:
+    """Exit status for a container healthcheck: 0 if the named worker's heartbeat is fresh (no name: any worker
+    of this host)."""
+    import socket
+
     import redis
 
     from worker import contract
     try:
-        alive = redis.Redis.from_url(redis_url, socket_timeout=2).exists(contract.heartbeat_key(name))
+        client = redis.Redis.from_url(redis_url, socket_timeout=2)
+        if name:
+            alive = [name] if client.exists(contract.heartbeat_key(name)) else []
+        else:
+            names = [n.decode() for n in client.zrange(contract.WORKER_REGISTRY, 0, -1)]
+            beats = client.mget([contract.heartbeat_key(n) for n in names]) if names else []
+            host = socket.gethostname()
+            alive = [n for n, b in zip(names, beats) if b and contract.Heartbeat.decode(b).host == host]
     except redis.RedisError as e:
         print(f"gaggle: redis unreachable: {e}", file=sys.stderr)
         return 1
-    print(f"worker {name}: {'alive' if alive else 'no heartbeat'}")
+    what = name or f"any worker on {socket.gethostname()}"
+    print(f"{what}: {'alive (' + ', '.join(alive) + ')' if alive else 'no heartbeat'}")
     return 0 if alive else 1
 
 
@@ -183,13 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="serve requests from Redis on one device")
     add_engine_args(p)
     add_redis_arg(p)
-    p.add_argument("--name", help="stable consumer name (default: <host>-<device>)")
-    p.add_argument("--idle-timeout", type=float, default=30.0,
-                   help="seconds before a dead worker's entries are reclaimed")
+    p.add_argument("--name", help="consumer name, unique among live workers (default: <host>-<device>-<random>); "
+                                  "a restart under the same name takes over its predecessor's entries at once")
     p.add_argument("--max-deliveries", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
-    p.add_argument("--check", action="store_true", help="exit 0 if this worker's heartbeat is fresh, else 1")
+    p.add_argument("--check", action="store_true",
+                   help="exit 0 if the worker's heartbeat (--name; without it: any worker on this host) is fresh")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     p.set_defaults(func=cmd_worker)
 
@@ -197,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.supervisor import add_up_args, cmd_up
     add_up_args(p)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (or the engine alone)",
+                       conflict_handler="resolve")  # its --model: the served model (engine-only: the file)
+    from worker.loadgen.cli import add_bench_args, cmd_bench
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API (imports no torch)")
     add_redis_arg(p)

@@ -6,20 +6,27 @@ reader rejects versions it does not know.
 
 Key space (all under ``gaggle:``):
 
-    requests:interactive   stream  API → workers, consumer group "workers"
-    requests:batch         stream  batch-job lines, read after interactive
-    dead                   stream  entries delivered too often, or undecodable
+    requests:<priority>:<tenant>
+                           stream  API → workers, consumer group "workers"; one per tenant and priority
+                                   (interactive, then batch: batch-job lines), read fairly across tenants
+    tenants                zset    tenant -> time of its last enqueue: the streams workers read
+    dead                   stream  entries delivered too often, or undecodable (capped: DEAD_LETTER_MAXLEN)
     out:<id>               pubsub  worker → API: deltas (streaming only) and the final result
     aborts                 pubsub  API → all workers: request ids to abort
     cancel:<id>            string  cancel marker with TTL (for requests not yet picked up)
     result:<id>            string  final result with TTL (written once, NX)
     req:<id>               hash    request record: status, tenant, endpoint, created, worker
                                    (+ model, n, deadline written by the API: see request_record)
-    text:<id>:<index>      string  text so far of one choice (async requests only)
+    text:<id>:<index>      string  text so far of one choice (async requests only), TTL RESULT_TTL_S
     watch:<id>             string  set (TTL) while an /events stream watches an async request: its deltas are
                                    published only then (the API fills the gap from text:<id> by text_offset)
-    worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model, its limits)
+    worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model, its limits); a
+                                   consumer's pending entries are reclaimed by others once it has expired
     workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
+    api:<owner>            string  an API process's lease (TTL OWNER_TTL_S, refreshed every OWNER_REFRESH_S):
+                                   workers cancel the sync requests of an owner whose lease lapsed
+
+Every per-request key (req, result, text, cancel, watch) carries a TTL.
 
 Streams are trimmed with XDEL only after XACK, so XLEN = queued + in flight.
 """
@@ -35,21 +42,47 @@ from typing import Any
 
 import orjson
 
+from engine.params import SamplingParams
+
 SCHEMA_VERSION = 1
 PREFIX = "gaggle:"
 GROUP = "workers"
-STREAM_INTERACTIVE = PREFIX + "requests:interactive"
-STREAM_BATCH = PREFIX + "requests:batch"
-STREAMS = (STREAM_INTERACTIVE, STREAM_BATCH)  # read in this order
+PRIORITIES = ("interactive", "batch")  # read in this order
+ENDPOINTS = ("completions", "chat")
+DEFAULT_TENANT = "default"
+TENANTS = PREFIX + "tenants"
 STREAM_DEAD = PREFIX + "dead"
+DEAD_LETTER_MAXLEN = 10_000  # approximate (XADD MAXLEN ~): the newest dead letters are kept
 CHANNEL_ABORTS = PREFIX + "aborts"
 ENTRY_FIELD = b"data"
 
 RESULT_TTL_S = 24 * 3600
 REQUEST_RECORD_TTL_S = 24 * 3600
 CANCEL_TTL_S = 24 * 3600
-HEARTBEAT_TTL_S = 5.0
+# A worker beats every HEARTBEAT_INTERVAL_S; once its key has expired, other workers take its pending entries:
+# a stream on a killed worker resumes within about HEARTBEAT_TTL_S.
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TTL_S = 3.0
+# An API process refreshes its lease every OWNER_REFRESH_S; workers cancel the sync requests of an owner whose
+# lease has been gone for OWNER_GRACE_S (a Redis restart may drop it for a moment).
+OWNER_TTL_S = 4.0
+OWNER_REFRESH_S = 1.0
+OWNER_GRACE_S = 3.0
 DEFAULT_DEADLINE_S = {"interactive": 3600.0, "batch": 24 * 3600.0}
+# Bounds of a queue entry (the worker checks its own, tighter limits too: slots, vocabulary, max_model_len).
+MAX_ID_CHARS = 256
+MAX_N = 1024
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def request_stream(priority: str, tenant: str) -> str:
+    """The stream of one tenant's requests of one priority."""
+    return f"{PREFIX}requests:{priority}:{tenant}"
+
+
+def owner_key(owner: str) -> str:
+    """The lease of an API process (see OWNER_TTL_S)."""
+    return f"{PREFIX}api:{owner}"
 
 STATUS_QUEUED, STATUS_RUNNING = "queued", "running"
 STATUS_COMPLETED, STATUS_FAILED, STATUS_CANCELLED, STATUS_EXPIRED = "completed", "failed", "cancelled", "expired"
@@ -124,17 +157,21 @@ class QueuedRequest:
     """One generation request as it travels in a stream entry."""
     id: str
     prompt_token_ids: list[int]
-    params: dict  # engine.params.SamplingParams fields
+    params: dict  # engine.params.SamplingParams fields, as JSON
     n: int = 1
     endpoint: str = "completions"  # completions | chat
     model: str = ""
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     stream: bool = False  # publish per-token deltas
     record_text: bool = False  # keep "text so far" in the request record (async requests)
     priority: str = "interactive"  # interactive | batch
     created: float = field(default_factory=time.time)
     deadline: float = 0.0  # epoch seconds; 0 = created + DEFAULT_DEADLINE_S[priority]
     meta: dict = field(default_factory=dict)  # echoed back in the result (e.g. batch custom_id)
+    owner: str = ""  # the API process waiting for it (see owner_key); "" = nobody (async, batch)
+
+    # Not a field: the params, type-checked, set by decode() (a worker's only view of them).
+    sampling = None
 
     def __post_init__(self) -> None:
         if not self.deadline:
@@ -142,35 +179,110 @@ class QueuedRequest:
 
     @property
     def stream_key(self) -> str:
-        return STREAM_BATCH if self.priority == "batch" else STREAM_INTERACTIVE
+        return request_stream(self.priority, self.tenant)
 
     def encode(self) -> dict[bytes, bytes]:
         return {ENTRY_FIELD: dumps({"v": SCHEMA_VERSION, **asdict(self)})}
 
+    def enqueue(self, pipe) -> None:
+        """Queue on a redis pipeline (sync or asyncio; MULTI for all-or-nothing) what submits this request: its
+        tenant in the registry (workers read the streams listed there), its record with a TTL, its stream entry."""
+        pipe.zadd(TENANTS, {self.tenant: self.created})
+        key = request_key(self.id)
+        pipe.hset(key, mapping=request_record(self))
+        pipe.expire(key, REQUEST_RECORD_TTL_S)
+        pipe.xadd(self.stream_key, self.encode())
+
     @classmethod
     def decode(cls, fields: dict) -> "QueuedRequest":
+        """The entry's request, every field type- and bounds-checked, params as SamplingParams in ``sampling``;
+        SchemaError naming the first bad field. Nothing is built before its input passed."""
         raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
         if raw is None:
             raise SchemaError("stream entry has no 'data' field")
         obj = loads_versioned(raw)
         obj.pop("v")
+        unknown = set(obj) - _REQUEST_FIELDS.keys()
+        if unknown:
+            raise SchemaError(f"bad request message: unknown fields {sorted(unknown)}")
+        for name, check in _REQUEST_FIELDS.items():
+            if name in obj:
+                check(name, obj[name])
+        for name in ("id", "prompt_token_ids", "params"):
+            if name not in obj:
+                raise SchemaError(f"bad request message: {name} is missing")
         try:
-            req = cls(**obj)
-        except TypeError as e:
-            raise SchemaError(f"bad request message: {e}") from e
-        if not isinstance(req.id, str) or not isinstance(req.prompt_token_ids, list) or not isinstance(req.params, dict):
-            raise SchemaError("bad request message: id, prompt_token_ids or params has the wrong type")
+            sampling = SamplingParams.from_wire(obj["params"])
+        except ValueError as e:
+            raise SchemaError(f"bad request message: params: {e}") from None
+        req = cls(**obj)
+        req.sampling = sampling
         return req
 
 
+def _expect(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise SchemaError(f"bad request message: {name} must be {what}")
+
+
+def _wire_str(limit: int, choices: tuple[str, ...] = ()):
+    def check(name: str, value: object) -> None:
+        _expect(type(value) is str and len(value) <= limit, name, f"a string of at most {limit} characters")
+        if choices:
+            _expect(value in choices, name, f"one of {list(choices)}")
+    return check
+
+
+def _wire_int(low: int, high: int):
+    def check(name: str, value: object) -> None:
+        _expect(type(value) is int and low <= value <= high, name, f"an integer between {low} and {high}")
+    return check
+
+
+def _wire_time(name: str, value: object) -> None:
+    _expect(type(value) in (int, float) and 0 <= value < 1e11, name, "a time in epoch seconds")
+
+
+def _wire_bool(name: str, value: object) -> None:
+    _expect(type(value) is bool, name, "true or false")
+
+
+def _wire_dict(name: str, value: object) -> None:
+    _expect(type(value) is dict, name, "an object")
+
+
+def _wire_tokens(name: str, value: object) -> None:
+    _expect(type(value) is list, name, "a list of token ids")
+    _expect(all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value), name,
+            f"a list of integer token ids between 0 and {MAX_TOKEN_ID}")
+
+
+_REQUEST_FIELDS = {
+    "id": lambda name, value: (_wire_str(MAX_ID_CHARS)(name, value), _expect(bool(value), name, "non-empty")),
+    "prompt_token_ids": _wire_tokens,
+    "params": _wire_dict,
+    "n": _wire_int(1, MAX_N),
+    "endpoint": _wire_str(32, ENDPOINTS),
+    "model": _wire_str(1024),
+    "tenant": lambda name, value: (_wire_str(MAX_ID_CHARS)(name, value), _expect(bool(value), name, "non-empty")),
+    "stream": _wire_bool,
+    "record_text": _wire_bool,
+    "priority": _wire_str(32, PRIORITIES),
+    "created": _wire_time,
+    "deadline": _wire_time,
+    "meta": _wire_dict,
+    "owner": _wire_str(MAX_ID_CHARS),
+}
+
+
 def request_id_of(fields: dict) -> str | None:
-    """Best-effort request id of an entry that may not decode (for failing it cleanly)."""
+    """Best-effort request id of an entry that may not decode (for failing it cleanly): only a plausible id."""
     raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
     try:
         rid = orjson.loads(raw).get("id")
-        return rid if isinstance(rid, str) else None
     except Exception:
         return None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else None
 
 
 # -- outputs: worker → API ----------------------------------------------------------------

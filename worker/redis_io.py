@@ -1,9 +1,8 @@
 """Redis I/O for a worker, off the GPU loop's critical path.
 
 Three daemon threads:
-- reader: XREADGROUP up to the engine's free capacity (interactive first), replays
-  this consumer's own pending entries at start, reclaims (XAUTOCLAIM) entries of
-  dead workers, keeps this worker's in-flight entries fresh, writes the heartbeat;
+- reader (worker/reader.py): takes entries from the streams up to the engine's free capacity, fairly across
+  tenants; reclaims the entries of workers whose heartbeat expired; writes the heartbeat;
 - writer: folds each step's outputs into their requests and writes them out: the
   streaming deltas as plain pipelined PUBLISHes, then everything else (results,
   acknowledgements, async requests' text) as one MULTI/EXEC; one round trip,
@@ -21,36 +20,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import hiredis
 import redis
 
 from worker import contract as c
+from worker.reader import CANCELLED, Incoming, Reader, ReaderConfig
 from worker.resp import bulk, command
 from worker.results import logprob_dicts
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class Incoming:
-    stream: str
-    entry_id: bytes
-    fields: dict | None  # None: the entry was deleted from the stream
-    deliveries: int
-    has_result: bool = False
-    cancelled: bool = False
-
-
-@dataclass
-class IOConfig:
-    idle_timeout_s: float = 30.0
-    read_block_ms: int = 100
-    reclaim_interval_s: float = 2.0
-    heartbeat_interval_s: float = 1.0
-
+__all__ = ["Incoming", "Op", "RedisIO", "ReaderConfig"]
 
 Op = tuple
 """One command for the writer. A write runs, in submission order, first every ``publish`` and every streaming
@@ -74,15 +56,18 @@ str, bytes, int and float arguments are accepted (floats as repr)."""
 
 # The deltas of async requests (recorded text): PUBLISH and APPEND in one script call inside the transaction,
 # so that the API's snapshot (text so far + a marker, in one MULTI) sees both or neither. Single-instance only.
+# ARGV: number of (channel, message) pairs, the text keys' TTL, the pairs, then (text key, text) pairs.
 PUBLISH_MANY = """
 local n = tonumber(ARGV[1])
-for i = 2, 2 * n, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
-for i = 2 * n + 2, #ARGV, 2 do redis.call('APPEND', ARGV[i], ARGV[i + 1]) end
+for i = 3, 2 * n + 1, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
+for i = 2 * n + 3, #ARGV, 2 do
+  redis.call('APPEND', ARGV[i], ARGV[i + 1])
+  redis.call('EXPIRE', ARGV[i], ARGV[2])
+end
 return n
 """
 PUBLISH_MANY_BYTES = PUBLISH_MANY.encode()
 MULTI, EXEC = command("MULTI"), command("EXEC")
-WATCH_POLL_S = 0.5  # how soon an /events watcher starts receiving an async request's deltas
 
 
 def delta_choice(flight, out) -> dict:
@@ -144,37 +129,30 @@ def merge_choice(by_index: dict[int, dict], choice: dict) -> None:
 
 
 class RedisIO:
-    def __init__(self, redis_url: str, name: str, cfg: IOConfig, heartbeat: Callable[[], c.Heartbeat]):
+    def __init__(self, redis_url: str, name: str, cfg: ReaderConfig, heartbeat: Callable[[], c.Heartbeat]):
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=30, health_check_interval=10)
         self.name = name
-        self.cfg = cfg
-        self.heartbeat = heartbeat
-        self.inbox: queue.Queue[Incoming] = queue.Queue()
-        self.aborts: queue.Queue[str] = queue.Queue()
+        self._flights: dict = {}  # request id -> InFlight, running requests (the writer's; the reader copies it)
+        self.reader = Reader(self.redis, name, cfg, heartbeat, lambda: list(self._flights.values()))
         self._outbox: queue.Queue[list[Op]] = queue.Queue()
-        self.capacity = 0  # entries the main loop can take now; written by the main loop only
-        self.reading = True  # False while draining
-        self.last_read_empty = False  # the last completed read found both streams empty (burst mode)
-        self._owned: dict[bytes, str] = {}  # entry id -> stream, read but not yet acknowledged
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unflushed = 0
         self._flushed = threading.Condition()
         self._conn = None  # the writer thread's own connection
-        self._flights: dict = {}  # request id -> InFlight, running requests (the writer's; the reader copies it)
         # (InFlight, terminal) -> the ops that write its result; set by the Worker; runs on the writer thread
         self.end_ops: Callable[[object, tuple | None], list[Op]] = lambda flight, terminal: []
+        self.text_ttl_s = c.RESULT_TTL_S  # recorded text lives as long as a result
         self._last_write_commands = 0
-        self.read_lock = threading.Lock()  # held by the reader thread while a read may deliver entries
         self.on_write: Callable[[int, int, float], None] | None = None  # (steps, ops, seconds) per pipeline
 
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        self._ensure_groups()
-        for target in (self._reader_loop, self._writer_loop, self._abort_loop):
-            t = threading.Thread(target=target, name=f"gaggle-{target.__name__}", daemon=True)
+        """Claim the worker's name (NameInUse if a live worker has it), then start the threads."""
+        self.reader.claim_name()
+        for target in (lambda: self.reader.run(self._stop), self._writer_loop, self._abort_loop):
+            t = threading.Thread(target=target, name="gaggle-io", daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -186,14 +164,6 @@ class RedisIO:
         if self._conn is not None:
             self._conn.disconnect()
             self._conn = None
-
-    def _ensure_groups(self) -> None:
-        for stream in c.STREAMS:
-            try:
-                self.redis.xgroup_create(stream, c.GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
 
     # -- main-loop side ------------------------------------------------------------
 
@@ -207,173 +177,6 @@ class RedisIO:
     def flush(self, timeout_s: float = 10.0) -> bool:
         with self._flushed:
             return self._flushed.wait_for(lambda: self._unflushed == 0, timeout=timeout_s)
-
-    def release(self, entry_ids: list[tuple[str, bytes]]) -> None:
-        """Forget entries we will not finish, and make them claimable by others at once."""
-        idle_ms = int(self.cfg.idle_timeout_s * 1000) + 1
-        by_stream: dict[str, list[bytes]] = {}
-        with self._lock:
-            for stream, eid in entry_ids:
-                self._owned.pop(eid, None)
-                by_stream.setdefault(stream, []).append(eid)
-        try:
-            for stream, ids in by_stream.items():
-                self.redis.xclaim(stream, c.GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
-        except redis.RedisError:
-            log.exception("could not release entries", extra={"worker": self.name})
-
-    def forget(self, entry_id: bytes) -> None:
-        with self._lock:
-            self._owned.pop(entry_id, None)
-
-    @property
-    def num_owned(self) -> int:
-        return len(self._owned)
-
-    # -- reader thread -------------------------------------------------------------
-
-    def _reader_loop(self) -> None:
-        next_reclaim = next_beat = next_keepalive = next_watch = 0.0
-        replayed = False
-        while not self._stop.is_set():
-            try:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._beat()
-                    next_beat = now + self.cfg.heartbeat_interval_s
-                if now >= next_watch:
-                    self._poll_watches()
-                    next_watch = now + WATCH_POLL_S
-                if now >= next_keepalive:
-                    self._keep_alive()
-                    next_keepalive = now + self.cfg.idle_timeout_s / 4
-                with self.read_lock:  # what may deliver entries: see settled()
-                    if not replayed:
-                        self._replay_own_pending()
-                        replayed = True
-                    if self.reading and now >= next_reclaim:
-                        self._reclaim()
-                        next_reclaim = now + self.cfg.reclaim_interval_s
-                    self._read_new()
-            except redis.RedisError as e:
-                log.warning("redis unavailable; retrying", extra={"worker": self.name, "error": str(e)})
-                self._stop.wait(0.5)
-                self._try(self._ensure_groups)
-            except Exception:
-                log.exception("reader thread error", extra={"worker": self.name})
-                self._stop.wait(0.5)
-
-    def settled(self) -> bool:
-        """Burst mode: True, and reading stopped, if the streams were found empty and all we read was handed over.
-
-        Waits for a read in flight (up to read_block_ms): it may be about to deliver entries.
-        """
-        with self.read_lock:
-            if self.last_read_empty and self.inbox.empty() and self.num_owned == 0:
-                self.reading = False
-                return True
-            return False
-
-    def _want(self) -> int:
-        return self.capacity - self.inbox.qsize() if self.reading else 0
-
-    def _read_new(self) -> None:
-        want = self._want()
-        if want <= 0:
-            self._stop.wait(0.005)
-            return
-        got = 0
-        for stream in c.STREAMS:  # interactive before batch
-            if want - got <= 0:
-                break
-            got += self._take(self.redis.xreadgroup(c.GROUP, self.name, {stream: ">"}, count=want - got), 1)
-        if got == 0:
-            got = self._take(self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in c.STREAMS},
-                                                   count=1, block=self.cfg.read_block_ms), 1)
-        self.last_read_empty = got == 0
-
-    def _replay_own_pending(self) -> None:
-        """After a restart under the same name, our own pending entries come first."""
-        for stream in c.STREAMS:
-            reply = self.redis.xreadgroup(c.GROUP, self.name, {stream: "0"}, count=100_000)
-            entries = reply[0][1] if reply else []
-            if entries:
-                log.info("replaying own pending entries", extra={"worker": self.name, "count": len(entries)})
-                self._deliver(stream, entries, None)
-
-    def _reclaim(self) -> None:
-        want = self._want()
-        if want <= 0:
-            return
-        for stream in c.STREAMS:
-            reply = self.redis.xautoclaim(stream, c.GROUP, self.name, int(self.cfg.idle_timeout_s * 1000),
-                                          start_id="0-0", count=want)
-            entries = reply[1] if len(reply) > 1 else []
-            with self._lock:
-                entries = [(eid, f) for eid, f in entries if eid not in self._owned]
-            if entries:
-                log.info("reclaimed entries of an idle consumer", extra={"worker": self.name,
-                                                                          "stream": stream, "count": len(entries)})
-                self._deliver(stream, entries, None)
-                want -= len(entries)
-
-    def _take(self, reply, deliveries: int) -> int:
-        n = 0
-        for stream, entries in reply or []:
-            stream = stream.decode() if isinstance(stream, bytes) else stream
-            self._deliver(stream, entries, deliveries)
-            n += len(entries)
-        return n
-
-    def _deliver(self, stream: str, entries: list, deliveries: int | None) -> None:
-        """Look up delivery counts, existing results and cancel marks in one round trip, then hand over."""
-        pipe = self.redis.pipeline(transaction=False)
-        rids = []
-        for eid, fields in entries:
-            rid = c.request_id_of(fields) if fields else None
-            rids.append(rid)
-            if deliveries is None:
-                pipe.xpending_range(stream, c.GROUP, min=eid, max=eid, count=1)
-            pipe.exists(c.result_key(rid or "?"))
-            pipe.exists(c.cancel_key(rid or "?"))
-        replies = iter(pipe.execute())
-        with self._lock:
-            for eid, _ in entries:
-                self._owned[eid] = stream
-        for (eid, fields), rid in zip(entries, rids):
-            count = deliveries
-            if count is None:
-                pending = next(replies)
-                count = pending[0]["times_delivered"] if pending else 1
-            has_result, cancelled = bool(next(replies)), bool(next(replies))
-            self.inbox.put(Incoming(stream, eid, fields or None, count, has_result and rid is not None,
-                                    cancelled and rid is not None))
-
-    def _poll_watches(self) -> None:
-        """Which running async requests an /events stream watches (their deltas are published only then)."""
-        flights = [f for f in list(self._flights.values()) if f.request.record_text]  # list(): atomic copy
-        if not flights:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for flight in flights:
-            pipe.exists(c.watch_key(flight.id))
-        for flight, watched in zip(flights, pipe.execute()):
-            flight.watched = bool(watched)
-
-    def _keep_alive(self) -> None:
-        """Reset the idle time of our in-flight entries so nobody reclaims a long generation."""
-        with self._lock:
-            by_stream: dict[str, list[bytes]] = {}
-            for eid, stream in self._owned.items():
-                by_stream.setdefault(stream, []).append(eid)
-        for stream, ids in by_stream.items():
-            for i in range(0, len(ids), 1000):
-                self.redis.xclaim(stream, c.GROUP, self.name, 0, ids[i:i + 1000], justid=True)
-
-    def _beat(self) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        self.heartbeat().publish(pipe)
-        pipe.execute()
 
     # -- writer thread -------------------------------------------------------------
 
@@ -406,7 +209,7 @@ class RedisIO:
             try:
                 self._transact(blob, num_plain, num_tx)
                 for eid in acked:
-                    self.forget(eid)
+                    self.reader.forget(eid)
                 return
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning("redis write failed; retrying", extra={"worker": self.name, "error": str(e)})
@@ -550,9 +353,9 @@ class RedisIO:
                     texts.setdefault(out.index, []).append(out.text)
                 appends += [bulk(c.text_key(flight.id, i)) + bulk("".join(t)) for i, t in texts.items() if any(t)]
         if tx_pubs or appends:
-            cmds[:0] = [b"*%d\r\n$4\r\nEVAL\r\n%s$1\r\n0\r\n%s" % (
-                4 + 2 * (len(tx_pubs) + len(appends)), bulk(PUBLISH_MANY_BYTES), bulk(len(tx_pubs))),
-                b"".join(tx_pubs + appends)]
+            cmds[:0] = [b"*%d\r\n$4\r\nEVAL\r\n%s$1\r\n0\r\n%s%s" % (
+                5 + 2 * (len(tx_pubs) + len(appends)), bulk(PUBLISH_MANY_BYTES), bulk(len(tx_pubs)),
+                bulk(self.text_ttl_s)), b"".join(tx_pubs + appends)]
             num_tx = len(cmds) - 1
         else:
             num_tx = len(cmds)
@@ -572,16 +375,11 @@ class RedisIO:
                 if pubsub is None:
                     pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(c.CHANNEL_ABORTS)
+                    self.reader.recheck_cancels = True  # aborts sent while unsubscribed: see their markers
                 msg = pubsub.get_message(timeout=0.1)
                 if msg and msg["type"] == "message":
                     data = msg["data"]
-                    self.aborts.put(data.decode() if isinstance(data, bytes) else data)
+                    self.reader.aborts.put((data.decode() if isinstance(data, bytes) else data, CANCELLED))
             except redis.RedisError:
                 pubsub = None
                 self._stop.wait(0.5)
-
-    def _try(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except redis.RedisError:
-            pass

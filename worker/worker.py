@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -19,20 +20,27 @@ from dataclasses import dataclass
 import redis
 
 from engine.engine import LLMEngine
-from engine.params import SamplingParams
 from engine.sequence import Request
 from worker import contract as c
-from worker.redis_io import Incoming, IOConfig, Op, RedisIO
+from worker.reader import OWNER_GONE, Incoming, ReaderConfig
+from worker.redis_io import CANCELLED, Op, RedisIO
 from worker.results import InFlight
 
 log = logging.getLogger(__name__)
+
+DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
+
+
+def unique_worker_name(device: str = "") -> str:
+    """<host>-<device>-<random>: two workers on one host never share a consumer (they would share entries)."""
+    parts = [socket.gethostname(), device.replace(":", ""), secrets.token_hex(3)]
+    return "-".join(p for p in parts if p)
 
 
 @dataclass
 class WorkerConfig:
     redis_url: str = "redis://localhost:6379/0"
-    name: str = ""
-    idle_timeout_s: float = 30.0  # entries idle this long are reclaimed from their dead owner
+    name: str = ""  # consumer name; default unique (unique_worker_name)
     max_deliveries: int = 3  # then the entry is dead-lettered and its request fails
     drain_timeout_s: float = 30.0
     result_ttl_s: int = c.RESULT_TTL_S
@@ -40,9 +48,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if not self.name:
-            self.name = f"{socket.gethostname()}-{os.getpid()}"
-        if self.idle_timeout_s <= 0 or self.max_deliveries < 1:
-            raise ValueError("idle_timeout_s must be > 0 and max_deliveries >= 1")
+            self.name = unique_worker_name()
+        if self.max_deliveries < 1:
+            raise ValueError("max_deliveries must be >= 1")
 
 
 class Worker:
@@ -51,8 +59,9 @@ class Worker:
         self.cfg = cfg
         self.device = device
         self.model_name = model_name
-        self.io = RedisIO(cfg.redis_url, cfg.name, IOConfig(idle_timeout_s=cfg.idle_timeout_s), self._heartbeat)
+        self.io = RedisIO(cfg.redis_url, cfg.name, ReaderConfig(), self._heartbeat)
         self.io.end_ops = self._end_ops
+        self.reader = self.io.reader
         self.inflight: dict[str, InFlight] = {}
         self.started = time.time()
         self.draining = False
@@ -110,7 +119,7 @@ class Worker:
             self._shutdown()
 
     def _drain_step_done(self) -> bool:
-        self.io.reading = False
+        self.reader.reading = False
         if not self.engine.has_work():
             return True
         if time.monotonic() > self._drain_deadline:
@@ -120,7 +129,7 @@ class Worker:
         return False
 
     def _shutdown(self) -> None:
-        self.io.reading = False
+        self.reader.reading = False
         self.io.flush(timeout_s=10.0)
         self._release_unfinished()
         self.io.stop()
@@ -129,32 +138,30 @@ class Worker:
         log.info("worker stopped", extra={"worker": self.cfg.name})
 
     def _release_unfinished(self) -> None:
-        """Leave what we did not finish pending, immediately claimable by other workers."""
-        leftovers = [(f.stream, f.entry_id) for f in self.inflight.values()]
-        while not self.io.inbox.empty():
-            item = self.io.inbox.get_nowait()
-            leftovers.append((item.stream, item.entry_id))
+        """What we did not finish stays pending under our name: other workers take it once our heartbeat is
+        deleted (at the end of the shutdown)."""
+        leftovers = len(self.inflight) + self.reader.inbox.qsize()
         if leftovers:
-            log.info("releasing unfinished entries", extra={"worker": self.cfg.name, "count": len(leftovers)})
-            self.io.release(leftovers)
+            log.info("leaving unfinished entries to other workers", extra={"worker": self.cfg.name,
+                                                                           "count": leftovers})
 
     def _is_idle(self) -> bool:
-        return (self.io.inbox.empty() and self.io.last_read_empty and not self.inflight
-                and self.io.flush(0.0) and self.io.num_owned == 0 and self.io.settled())
+        return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight
+                and self.io.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
 
     def _wait_for_input(self) -> None:
         try:
-            item = self.io.inbox.get(timeout=0.02)
+            item = self.reader.inbox.get(timeout=0.02)
         except Exception:
             return
         self._accept(item)
 
     def _update_capacity(self) -> None:
         if self._quarantine:
-            self.io.capacity = 0
+            self.reader.capacity = 0
             return
         waiting = self.engine.num_unfinished - self.engine.num_running
-        self.io.capacity = max(0, self.engine.num_free_slots - waiting)
+        self.reader.capacity = max(0, self.engine.num_free_slots - waiting)
 
     # -- input ---------------------------------------------------------------------
 
@@ -162,17 +169,29 @@ class Worker:
         if self._quarantine:
             self._admit_from_quarantine()
             return
-        while not self.io.inbox.empty():
-            self._accept(self.io.inbox.get_nowait())
+        while not self.reader.inbox.empty():
+            self._accept(self.reader.inbox.get_nowait())
 
     def _accept(self, item: Incoming) -> None:
+        """Start an entry's request, or end it at once; whatever goes wrong, that entry fails, the worker serves on."""
+        try:
+            self._accept_entry(item)
+        except Exception as e:
+            rid = c.request_id_of(item.fields or {})
+            log.exception("could not accept an entry", extra={"request_id": rid, "stream": item.stream})
+            if rid is not None:
+                self.inflight.pop(rid, None)
+                self.engine.abort(rid)
+            self._dead_letter(item, rid, f"the worker could not accept this request: {e!r}")
+
+    def _accept_entry(self, item: Incoming) -> None:
         if item.fields is None:  # deleted from the stream: nothing left to do
             self.io.submit([("xack_del", item.stream, item.entry_id)])
             return
         try:
             req = c.QueuedRequest.decode(item.fields)
         except c.SchemaError as e:
-            self._dead_letter(item, c.request_id_of(item.fields), f"undecodable request: {e}")
+            self._dead_letter(item, c.request_id_of(item.fields), f"invalid request entry: {e}", invalid=True)
             return
         if item.has_result or req.id in self.inflight:
             log.info("duplicate delivery; already handled", extra={"request_id": req.id})
@@ -184,7 +203,10 @@ class Worker:
                                             f"(max_deliveries={self.cfg.max_deliveries})", req)
             return
         if item.cancelled:
-            self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_CANCELLED, "cancelled by the client", "cancelled")
+            self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_CANCELLED, CANCELLED, "cancelled")
+            return
+        if req.owner and req.owner in self.reader.lapsed_owners:
+            self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_CANCELLED, OWNER_GONE, "cancelled")
             return
         if req.deadline and time.time() > req.deadline:
             self._finish_terminal(item.stream, item.entry_id, req, c.STATUS_EXPIRED, "deadline passed before it ran", "expired")
@@ -204,18 +226,20 @@ class Worker:
 
     def _start(self, flight: InFlight) -> bool:
         req = flight.request
-        if req.params.get("seed") is None:  # fixed by the id: a re-run anywhere reproduces what was published
-            req.params["seed"] = c.stable_seed(req.id)
+        params = req.sampling
+        if params.seed is None:  # fixed by the id: a re-run anywhere reproduces what was published
+            params.seed = c.stable_seed(req.id)
         try:
-            params = SamplingParams.from_dict(req.params)
             self.engine.add(Request(req.id, list(req.prompt_token_ids), params, n=req.n))
-        except (ValueError, TypeError) as e:  # past the API's checks: it knew other limits (no heartbeat yet)
+        except ValueError as e:  # past the API's checks: it knew other limits (no heartbeat yet)
             self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), req.id, f"invalid request: {e}", req,
                               invalid=True)
             return False
         self.inflight[req.id] = flight
-        ops: list[Op] = [("start", flight), ("HSET", c.request_key(req.id), "status", c.STATUS_RUNNING, "worker", self.cfg.name,
-                          "started", time.time())]
+        key = c.request_key(req.id)
+        ops: list[Op] = [("start", flight), ("HSET", key, "status", c.STATUS_RUNNING, "worker", self.cfg.name,
+                                             "started", time.time()),
+                         ("EXPIRE", key, c.REQUEST_RECORD_TTL_S)]
         if req.stream or req.record_text:
             ops.append(("publish", c.out_channel(req.id), c.status_message(req.id, c.STATUS_RUNNING)))
         self.io.submit(ops)
@@ -224,14 +248,14 @@ class Worker:
         return True
 
     def _apply_aborts(self) -> None:
-        while not self.io.aborts.empty():
-            rid = self.io.aborts.get_nowait()
+        while not self.reader.aborts.empty():
+            rid, reason = self.reader.aborts.get_nowait()
             flight = self.inflight.pop(rid, None)
             if flight is None:
                 continue
             self.engine.abort(rid)
-            self._finish_terminal(flight.stream, flight.entry_id, flight.request, c.STATUS_CANCELLED,
-                                  "cancelled by the client", "cancelled", flight)
+            self._finish_terminal(flight.stream, flight.entry_id, flight.request, c.STATUS_CANCELLED, reason,
+                                  "cancelled", flight)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -315,9 +339,10 @@ class Worker:
                      invalid: bool = False) -> None:
         """Record the entry in the dead-letter stream and fail its request (``invalid``: as the client's error)."""
         log.error("dead-lettering entry", extra={"request_id": rid, "stream": item.stream, "reason": reason})
-        ops: list[Op] = [("XADD", c.STREAM_DEAD, "*", "stream", item.stream, "entry_id", item.entry_id,
+        ops: list[Op] = [("XADD", c.STREAM_DEAD, "MAXLEN", "~", c.DEAD_LETTER_MAXLEN, "*", "stream", item.stream,
+                          "entry_id", item.entry_id,
                           "request_id", rid or "", "reason", reason,
-                          "data", (item.fields or {}).get(c.ENTRY_FIELD, b""))]
+                          "data", (item.fields or {}).get(c.ENTRY_FIELD, b"")[:DEAD_LETTER_DATA_BYTES])]
         self.io.submit(ops)
         if rid is None:
             self.io.submit([("xack_del", item.stream, item.entry_id)])

@@ -1,0 +1,405 @@
+"""The worker's reader thread: what enters the worker, and whose entries are whose.
+
+One loop, on its own Redis connection:
+- beats: the heartbeat key (TTL) is this worker's claim on its pending entries;
+- reads: XREADGROUP from every tenant's streams, up to the engine's free capacity, fairly across
+  tenants (a COUNT per stream), interactive before batch;
+- reclaims: takes the pending entries of consumers whose heartbeat has expired (a Lua script checks the
+  owner and its heartbeat and claims in one step, so two live workers never both take an entry, and a live
+  worker's entries are never taken, whatever its settings);
+- audits: re-delivers entries still pending under this worker's own name that it no longer holds (their
+  acknowledgement was lost, e.g. to a Redis restart);
+- watches: which async requests an /events stream watches; whose API process (owner) went away.
+Handed over through queues: ``inbox`` (entries), ``aborts`` ((request id, reason)).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+
+from worker import contract as c
+
+log = logging.getLogger(__name__)
+
+# KEYS: stream, the owner's heartbeat key. ARGV: group, owner, claimer, count.
+# Claims up to ``count`` of the owner's pending entries if its heartbeat is gone, and deletes the consumer once
+# it holds none. Returns {ids, delivery counts, entries} (an entry is nil where it was deleted from the stream).
+RECLAIM_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return {{}, {}, {}} end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2])
+local ids, counts = {}, {}
+for i, p in ipairs(pending) do ids[i] = p[1]; counts[i] = p[4] + 1 end
+local entries = {}
+if #ids > 0 then entries = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids)) end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return {ids, counts, entries}
+"""
+
+CANCELLED = "cancelled by the client"
+OWNER_GONE = "the API process that was serving this request went away"
+LAPSED_MEMORY_S = 600.0
+
+
+class NameInUse(RuntimeError):
+    """Another live worker has this worker's name (two consumers under one name would share entries)."""
+
+
+@dataclass
+class Incoming:
+    stream: str
+    entry_id: bytes
+    fields: dict | None  # None: the entry was deleted from the stream
+    deliveries: int
+    has_result: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class ReaderConfig:
+    read_block_ms: int = 100
+    reclaim_interval_s: float = 0.5
+    heartbeat_interval_s: float = c.HEARTBEAT_INTERVAL_S
+    tenants_interval_s: float = 0.25
+    audit_interval_s: float = 5.0
+    owners_interval_s: float = 1.0
+    watch_interval_s: float = 0.5  # how soon an /events watcher starts receiving an async request's deltas
+
+
+@dataclass
+class _Every:
+    """A periodic task's schedule."""
+    interval_s: float
+    next_at: float = 0.0
+
+    def due(self, now: float) -> bool:
+        if now < self.next_at:
+            return False
+        self.next_at = now + self.interval_s
+        return True
+
+
+@dataclass
+class _Streams:
+    """The request streams this worker reads (every tenant's), in read order, with their consumer groups."""
+    by_priority: dict[str, list[str]] = field(default_factory=lambda: {p: [] for p in c.PRIORITIES})
+    known: set[str] = field(default_factory=set)
+    turn: int = 0  # rotates the order, so no tenant is always first
+
+    @property
+    def all(self) -> list[str]:
+        return [s for p in c.PRIORITIES for s in self.by_priority[p]]
+
+    def rotated(self, priority: str) -> list[str]:
+        streams = self.by_priority[priority]
+        if not streams:
+            return []
+        k = self.turn % len(streams)
+        return streams[k:] + streams[:k]
+
+
+class Reader:
+    def __init__(self, client: redis.Redis, name: str, cfg: ReaderConfig, heartbeat: Callable[[], c.Heartbeat],
+                 flights: Callable[[], list]):
+        self.redis = client
+        self.name = name
+        self.cfg = cfg
+        self.heartbeat = heartbeat
+        self.flights = flights  # the running requests (InFlight), as a list copy
+        self.inbox: queue.Queue[Incoming] = queue.Queue()
+        self.aborts: queue.Queue[tuple[str, str]] = queue.Queue()
+        self.capacity = 0  # entries the main loop can take now; written by the main loop only
+        self.reading = True  # False while draining
+        self.last_read_empty = False  # the last completed read found every stream empty (burst mode)
+        self.lapsed_owners: frozenset[str] = frozenset()  # API processes gone for OWNER_GRACE_S
+        self.recheck_cancels = False  # set when abort messages may have been missed: check cancel markers
+        self.read_lock = threading.Lock()  # held while a read may deliver entries: see settled()
+        self._owned: dict[bytes, str] = {}  # entry id -> stream, read but not yet acknowledged
+        self._lock = threading.Lock()
+        self._streams = _Streams()
+        self._reclaim = client.register_script(RECLAIM_SCRIPT)
+        self._owner_missing: dict[str, float] = {}  # owner -> when its lease was first seen missing
+        self._lapsed: dict[str, float] = {}  # owner -> when its lease was found lapsed
+        self._aborted: set[str] = set()  # request ids already aborted for a lapsed owner
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def claim_name(self) -> None:
+        """Wait for an earlier holder of this name to lapse; NameInUse if its heartbeat is being refreshed."""
+        first = self.redis.get(c.heartbeat_key(self.name))
+        deadline = time.monotonic() + c.HEARTBEAT_TTL_S + 1.0
+        while first is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.redis.get(c.heartbeat_key(self.name))
+            if now is None:
+                return
+            if now != first:
+                raise NameInUse(f"another live worker is named {self.name!r}; give each worker its own --name")
+        if first is not None:
+            raise NameInUse(f"the heartbeat of a worker named {self.name!r} did not expire")
+
+    def run(self, stop: threading.Event) -> None:
+        beat, tenants = _Every(self.cfg.heartbeat_interval_s), _Every(self.cfg.tenants_interval_s)
+        reclaim, audit = _Every(self.cfg.reclaim_interval_s), _Every(self.cfg.audit_interval_s)
+        owners, watches = _Every(self.cfg.owners_interval_s), _Every(self.cfg.watch_interval_s)
+        replayed = False
+        while not stop.is_set():
+            try:
+                now = time.monotonic()
+                if beat.due(now):
+                    self._beat()
+                if tenants.due(now):
+                    self._refresh_streams()
+                if watches.due(now):
+                    self._poll_watches()
+                if owners.due(now):
+                    self._poll_owners(now)
+                    self._poll_cancels()
+                with self.read_lock:
+                    if not replayed:
+                        self._replay_own_pending()
+                        replayed = True
+                    if self.reading and reclaim.due(now):
+                        self._reclaim_from_dead()
+                    if self.reading and audit.due(now):
+                        self._audit_own_pending()
+                    self._read_new(stop)
+            except redis.ResponseError as e:
+                if "NOGROUP" in str(e):  # a stream or its group vanished (FLUSHALL, restart without AOF)
+                    log.warning("consumer group missing; recreating", extra={"worker": self.name})
+                    self._streams = _Streams()
+                else:
+                    log.exception("redis rejected a read", extra={"worker": self.name})
+                stop.wait(0.2)
+            except redis.RedisError as e:
+                log.warning("redis unavailable; retrying", extra={"worker": self.name, "error": str(e)})
+                stop.wait(0.5)
+            except Exception:
+                log.exception("reader thread error", extra={"worker": self.name})
+                stop.wait(0.5)
+
+    # -- ownership --------------------------------------------------------------------------------
+
+    def forget(self, entry_id: bytes) -> None:
+        with self._lock:
+            self._owned.pop(entry_id, None)
+
+    @property
+    def num_owned(self) -> int:
+        return len(self._owned)
+
+    def settled(self) -> bool:
+        """Burst mode: True, and reading stopped, if the streams were found empty and all we read was handed over.
+
+        Waits for a read in flight (up to read_block_ms): it may be about to deliver entries.
+        """
+        with self.read_lock:
+            if self.last_read_empty and self.inbox.empty() and self.num_owned == 0:
+                self.reading = False
+                return True
+            return False
+
+    # -- streams ----------------------------------------------------------------------------------
+
+    def _refresh_streams(self) -> None:
+        """Every tenant's streams, with the consumer group created (from the start) where it is new."""
+        tenants = sorted(t.decode() for t in self.redis.zrange(c.TENANTS, 0, -1))
+        streams = _Streams(turn=self._streams.turn + 1, known=self._streams.known)
+        for priority in c.PRIORITIES:
+            streams.by_priority[priority] = [c.request_stream(priority, t) for t in tenants]
+        for stream in streams.all:
+            if stream not in streams.known:
+                try:
+                    self.redis.xgroup_create(stream, c.GROUP, id="0", mkstream=True)
+                except redis.ResponseError as e:
+                    if "BUSYGROUP" not in str(e):
+                        raise
+                streams.known.add(stream)
+        self._streams = streams
+
+    def _want(self) -> int:
+        return self.capacity - self.inbox.qsize() if self.reading else 0
+
+    def _read_new(self, stop: threading.Event) -> None:
+        want = self._want()
+        if want <= 0 or not self._streams.all:
+            stop.wait(0.005 if want <= 0 else self.cfg.read_block_ms / 1000)
+            return
+        got = 0
+        for priority in c.PRIORITIES:  # interactive before batch; each tenant gets a share of what we can take
+            streams = self._streams.rotated(priority)
+            if want - got <= 0 or not streams:
+                continue
+            per_stream = max(1, (want - got) // len(streams))
+            reply = self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in streams}, count=per_stream)
+            got += self._take(reply)
+        self._streams.turn += 1
+        if got == 0:
+            reply = self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in self._streams.all}, count=1,
+                                          block=self.cfg.read_block_ms)
+            got = self._take(reply)
+        self.last_read_empty = got == 0
+
+    def _take(self, reply) -> int:
+        n = 0
+        for stream, entries in reply or []:
+            stream = stream.decode() if isinstance(stream, bytes) else stream
+            self._deliver(stream, [(eid, f, 1) for eid, f in entries])
+            n += len(entries)
+        return n
+
+    def _deliver(self, stream: str, entries: list[tuple[bytes, dict | None, int]]) -> None:
+        """Look up existing results and cancel marks in one round trip, then hand over."""
+        pipe = self.redis.pipeline(transaction=False)
+        rids = []
+        for _, fields, _ in entries:
+            rid = c.request_id_of(fields) if fields else None
+            rids.append(rid)
+            pipe.exists(c.result_key(rid or "?"))
+            pipe.exists(c.cancel_key(rid or "?"))
+        replies = iter(pipe.execute())
+        with self._lock:
+            for eid, _, _ in entries:
+                self._owned[eid] = stream
+        for (eid, fields, deliveries), rid in zip(entries, rids):
+            has_result, cancelled = bool(next(replies)), bool(next(replies))
+            self.inbox.put(Incoming(stream, eid, fields or None, deliveries, has_result and rid is not None,
+                                    cancelled and rid is not None))
+
+    # -- reclaim and audit ------------------------------------------------------------------------
+
+    def _replay_own_pending(self) -> None:
+        """After a restart under the same name, our own pending entries come first."""
+        for stream in self._streams.all:
+            reply = self.redis.xreadgroup(c.GROUP, self.name, {stream: "0"}, count=100_000)
+            entries = reply[0][1] if reply else []
+            if entries:
+                log.info("replaying own pending entries", extra={"worker": self.name, "count": len(entries)})
+                self._deliver(stream, [(eid, f, self._deliveries(stream, eid)) for eid, f in entries])
+
+    def _deliveries(self, stream: str, entry_id: bytes) -> int:
+        pending = self.redis.xpending_range(stream, c.GROUP, min=entry_id, max=entry_id, count=1)
+        return pending[0]["times_delivered"] if pending else 1
+
+    def _reclaim_from_dead(self) -> None:
+        """Take pending entries whose consumer's heartbeat has expired, up to what we can run."""
+        for stream in self._streams.all:
+            want = self._want()
+            if want <= 0:
+                return
+            summary = self.redis.xpending(stream, c.GROUP)
+            owners = [o["name"].decode() for o in summary.get("consumers") or [] if o["name"].decode() != self.name]
+            if not owners:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for owner in owners:
+                pipe.exists(c.heartbeat_key(owner))
+            for owner in (o for o, alive in zip(owners, pipe.execute()) if not alive):
+                want = self._want()
+                if want <= 0:
+                    return
+                self._claim_from(stream, owner, want)
+
+    def _claim_from(self, stream: str, owner: str, count: int) -> None:
+        ids, counts, entries = self._reclaim(keys=[stream, c.heartbeat_key(owner)],
+                                             args=[c.GROUP, owner, self.name, count])
+        if not ids:
+            return
+        fields_by_id = {e[0]: _fields(e[1]) for e in entries if e}
+        log.info("reclaimed entries of a dead worker", extra={"worker": self.name, "from": owner,
+                                                              "stream": stream, "count": len(ids)})
+        self._deliver(stream, [(eid, fields_by_id.get(eid), n) for eid, n in zip(ids, counts)])
+
+    def _audit_own_pending(self) -> None:
+        """Entries pending under our name that we do not hold (their XACK was lost): deliver them again."""
+        idle_ms = int(self.cfg.audit_interval_s * 1000)
+        for stream in self._streams.all:
+            pending = self.redis.xpending_range(stream, c.GROUP, min="-", max="+", count=1000,
+                                                consumername=self.name, idle=idle_ms)
+            with self._lock:
+                lost = [p for p in pending if p["message_id"] not in self._owned]
+            if not lost:
+                continue
+            ids = [p["message_id"] for p in lost]
+            claimed = self.redis.xclaim(stream, c.GROUP, self.name, idle_ms, ids)
+            fields_by_id = {eid: f for eid, f in claimed if eid is not None}
+            log.warning("re-delivering own entries whose acknowledgement was lost",
+                        extra={"worker": self.name, "stream": stream, "count": len(ids)})
+            self._deliver(stream, [(p["message_id"], fields_by_id.get(p["message_id"]), p["times_delivered"] + 1)
+                                   for p in lost])
+
+    # -- heartbeat, watches, owners ---------------------------------------------------------------
+
+    def _beat(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self.heartbeat().publish(pipe)
+        pipe.execute()
+
+    def _poll_watches(self) -> None:
+        """Which running async requests an /events stream watches (their deltas are published only then)."""
+        flights = [f for f in self.flights() if f.request.record_text]
+        if not flights:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for flight in flights:
+            pipe.exists(c.watch_key(flight.id))
+        for flight, watched in zip(flights, pipe.execute()):
+            flight.watched = bool(watched)
+
+    def _poll_owners(self, now: float) -> None:
+        """Abort the running requests of API processes whose lease has been gone for OWNER_GRACE_S.
+
+        A lapsed owner stays lapsed (its queued requests are cancelled as they arrive) until its lease is back
+        or LAPSED_MEMORY_S passed."""
+        flights = [f for f in self.flights() if f.request.owner]
+        owners = sorted({f.request.owner for f in flights} | self._lapsed.keys())
+        if owners:
+            pipe = self.redis.pipeline(transaction=False)
+            for owner in owners:
+                pipe.exists(c.owner_key(owner))
+            alive = dict(zip(owners, pipe.execute()))
+        else:
+            alive = {}
+        self._owner_missing = {o: self._owner_missing.get(o, now) for o, ok in alive.items() if not ok}
+        for owner, since in self._owner_missing.items():
+            if now - since >= c.OWNER_GRACE_S and owner not in self._lapsed:
+                log.warning("an API process's lease lapsed; cancelling its requests", extra={"owner": owner})
+                self._lapsed[owner] = now
+        self._lapsed = {o: t for o, t in self._lapsed.items() if not alive.get(o) and now - t < LAPSED_MEMORY_S}
+        self.lapsed_owners = frozenset(self._lapsed)
+        for flight in flights:
+            if flight.request.owner in self._lapsed and flight.id not in self._aborted:
+                self._aborted.add(flight.id)
+                self.aborts.put((flight.id, OWNER_GONE))
+        if len(self._aborted) > 100_000:
+            self._aborted.clear()
+
+
+    def _poll_cancels(self) -> None:
+        """After the abort subscription was down: abort running requests whose cancel marker is set."""
+        if not self.recheck_cancels:
+            return
+        self.recheck_cancels = False
+        flights = self.flights()
+        if not flights:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for flight in flights:
+            pipe.exists(c.cancel_key(flight.id))
+        for flight, cancelled in zip(flights, pipe.execute()):
+            if cancelled:
+                self.aborts.put((flight.id, CANCELLED))
+
+def _fields(raw) -> dict | None:
+    """A script's [k1, v1, k2, v2, ...] as the dict redis-py gives for stream entries."""
+    if not raw:
+        return None
+    return {raw[i]: raw[i + 1] for i in range(0, len(raw), 2)}
