@@ -1,0 +1,269 @@
+"""``gaggle bench``: the arrival schedule and the metrics on hand-made numbers, the hand-written HTTP/SSE client
+against a scripted server, and the command end to end against `gaggle api` + a worker (and ``--engine-only``).
+
+The worker and the engine-only run get one torch thread: on a small shared machine OpenMP threads that spin
+against other processes make a tiny model's step take seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orjson
+import pytest
+
+from tests.queue_helpers import REPO, log_of, start_worker
+from tests.test_api_support import ApiServer, flushed, wait_heartbeat
+from worker.loadgen import metrics as m
+from worker.loadgen.client import _has_choices, send_one
+from worker.loadgen.dataset import arrival_times, length_range, random_requests
+from worker.loadgen.http import Endpoint, Pool
+
+KEY = "sk-bench-0123456789"
+WORKER = "loadgen-test-worker"
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+WORKLOAD = ["--num-prompts", "8", "--input-len", "16", "--output-len", "8", "--ignore-eos"]
+
+
+# -- the arrival schedule ---------------------------------------------------------------------
+
+def _gaps(times: list[float]) -> np.ndarray:
+    return np.diff(np.concatenate([[0.0], times]))
+
+
+def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
+    times = arrival_times(4000, request_rate=50.0, burstiness=1.0, seed=7)
+    assert times == sorted(times) and times[-1] == pytest.approx(4000 / 50.0)  # vLLM rescales the total
+    first_half = times[1999]
+    assert 2000 / first_half == pytest.approx(50.0, rel=0.1)  # the rate holds along the way, not only at the end
+    gaps = _gaps(times)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, abs=0.08)  # exponential: coefficient of variation 1
+    assert arrival_times(4000, 50.0, 1.0, seed=7) == times
+    assert arrival_times(4000, 50.0, 1.0, seed=8) != times
+
+
+def test_burstiness_changes_the_variance_not_the_rate():
+    cv = {}
+    for burstiness in (0.25, 1.0, 4.0):
+        gaps = _gaps(arrival_times(4000, 20.0, burstiness, seed=1))
+        assert gaps.sum() == pytest.approx(200.0)
+        cv[burstiness] = gaps.std() / gaps.mean()
+    assert cv[0.25] == pytest.approx(2.0, rel=0.15)  # gamma(k): CV = 1/sqrt(k)
+    assert cv[4.0] == pytest.approx(0.5, rel=0.15)
+    assert np.allclose(_gaps(arrival_times(10, 5.0, math.inf, seed=0)), 0.2)  # infinite burstiness: even
+    assert arrival_times(5, math.inf, 1.0, seed=0) == [0.0] * 5
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_times(5, 1.0, 0.0, seed=0)
+
+
+def test_random_dataset_lengths():
+    assert length_range(100, 0.25) == (75, 125)
+    reqs = random_requests(200, input_len=40, output_len=10, range_ratio=0.5, seed=3, as_text=False)
+    assert all(20 <= len(r.prompt) <= 60 and 5 <= r.max_tokens <= 15 for r in reqs)
+    assert len({len(r.prompt) for r in reqs}) > 10
+    again = random_requests(200, 40, 10, 0.5, seed=3, as_text=False)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    chat = random_requests(3, 16, 4, 0.0, seed=3, as_text=True)
+    assert all(r.is_chat and isinstance(r.prompt[0]["content"], str) for r in chat)
+
+
+# -- metrics on hand-made timings -------------------------------------------------------------
+
+def test_metrics_from_hand_made_timings():
+    records = [
+        m.RequestRecord(0, True, ttft=0.1, itl=[0.02, 0.03, 0.05], e2e=0.2, output_tokens=4, prompt_tokens=10),
+        m.RequestRecord(1, True, ttft=0.3, itl=[0.1], e2e=0.4, output_tokens=2, prompt_tokens=10),
+        m.RequestRecord(2, True, ttft=0.05, e2e=0.05, output_tokens=1, prompt_tokens=10),  # no TPOT
+        m.RequestRecord(3, False, error="HTTP 500: boom", prompt_tokens=10),
+    ]
+    got = m.compute_metrics(records, duration_s=2.0)
+    assert (got["completed"], got["failed"], got["errors"]) == (3, 1, ["HTTP 500: boom"])
+    assert (got["total_input_tokens"], got["total_output_tokens"]) == (30, 7)
+    assert got["request_throughput"] == pytest.approx(1.5)
+    assert got["output_throughput"] == pytest.approx(3.5)
+    assert got["total_token_throughput"] == pytest.approx(18.5)
+    assert got["mean_ttft_ms"] == pytest.approx(150.0) and got["median_ttft_ms"] == pytest.approx(100.0)
+    # TPOT = (E2E - TTFT) / (tokens - 1): 100/3 and 100 ms
+    assert got["mean_tpot_ms"] == pytest.approx((100 / 3 + 100) / 2)
+    # ITL pools every gap: [20, 30, 50, 100] ms; numpy's linear percentiles
+    assert got["mean_itl_ms"] == pytest.approx(50.0) and got["median_itl_ms"] == pytest.approx(40.0)
+    assert got["p90_itl_ms"] == pytest.approx(85.0) and got["p99_itl_ms"] == pytest.approx(98.5)
+    assert got["mean_e2el_ms"] == pytest.approx(650 / 3)
+    assert all(v is None for k, v in m.compute_metrics(records[3:], 1.0).items() if k.endswith("_ms"))
+    table = m.format_table(got, "Serving Benchmark Result", {"request_rate": "inf"}, None)
+    assert "Mean TTFT (ms):" in table and "150.00" in table and "error 0: HTTP 500: boom" in table
+
+
+# -- the HTTP/SSE client against a scripted server ----------------------------------------------
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+TOKEN = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}], "usage": null}\r\n\r\n'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}\n\n'
+ERROR = b'data: {"error":{"message":"worker died","type":"server_error"}}\n\n'
+
+
+async def _scripted_server(responses: list[bytes]) -> tuple[asyncio.AbstractServer, list[int]]:
+    """Answers requests in order with ``responses``, each written in small pieces with pauses, on keep-alive."""
+    connections = []
+
+    async def handle(reader, writer):
+        connections.append(1)
+        while responses:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            data = responses.pop(0)
+            for i in range(0, len(data), 7):  # framing and events split at awkward places
+                writer.write(data[i:i + 7])
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, connections
+
+
+def test_client_parses_sse_by_hand_and_keeps_the_connection():
+    assert _has_choices(TOKEN[6:]) and not _has_choices(USAGE[6:]) and not _has_choices(b'{"choices" : [ ]}')
+
+    async def scenario():
+        ok = SSE_HEAD + _chunked(b": keep-alive\n\n", TOKEN, TOKEN + TOKEN, TOKEN, USAGE, b"data: [DONE]\n\n")
+        failed = SSE_HEAD + _chunked(TOKEN, ERROR, b"data: [DONE]\n\n")
+        body = b'{"error":{"message":"no"}}'
+        refused = b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        server, connections = await _scripted_server([ok, failed, refused])
+        port = server.sockets[0].getsockname()[1]
+        endpoint = Endpoint.parse(f"http://127.0.0.1:{port}/v1/completions")
+        pool, head = Pool(endpoint), endpoint.request_head("POST", {})
+        records = [m.RequestRecord(i, prompt_tokens=3) for i in range(3)]
+        for record in records:
+            await send_one(pool, head, b"{}", True, record, time.monotonic(), 10.0)
+        pool.close()
+        server.close()
+        return records, len(connections)
+
+    (good, bad, refused), num_connections = asyncio.run(scenario())
+    assert good.is_success and good.error is None
+    assert good.output_tokens == 7 and good.prompt_tokens == 5  # from usage, not the 4 token chunks
+    assert good.ttft is not None and len(good.itl) <= 3 and good.e2e >= good.ttft
+    assert not bad.is_success and "worker died" in bad.error
+    assert not refused.is_success and refused.error.startswith("HTTP 400")
+    assert num_connections == 1  # three requests on one keep-alive connection
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def api_url(redis_server, tiny_model_path, tmp_path_factory):
+    r = flushed(redis_server.url)
+    keys = tmp_path_factory.mktemp("bench-keys") / "keys.txt"
+    keys.write_text(f"{KEY} bench\n")
+    worker = start_worker(redis_server.url, str(tiny_model_path), WORKER, "--max-num-seqs", "8",
+                          "--max-model-len", "256", env=ONE_THREAD)
+    api = ApiServer(redis_server.url, "--api-keys-file", str(keys), "--model-name", "tiny-bench")
+    try:
+        api.wait_healthy()
+        wait_heartbeat(r, WORKER)
+        yield api.url
+    finally:
+        api.stop()
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            print(log_of(worker))
+        r.flushdb()
+
+
+def bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.cli", "bench", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def _assert_all_metrics(metrics: dict) -> None:
+    for key in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert math.isfinite(metrics[key]) and metrics[key] > 0, key
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "std", "median", "p90", "p99"):
+            value = metrics[f"{stat}_{name}_ms"]
+            assert value is not None and math.isfinite(value) and value >= 0, (stat, name)
+
+
+@pytest.fixture(scope="module")
+def served(api_url, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "served.json"
+    proc = bench("--base-url", api_url, "--api-key", KEY, *WORKLOAD, "--client-processes", "2",
+                 "--save-result", str(out), "--save-detailed")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return proc, out, orjson.loads(out.read_bytes())
+
+
+def test_served_run_measures_every_request(served):
+    proc, _, result = served
+    assert "Serving Benchmark Result" in proc.stdout and "Mean TTFT (ms):" in proc.stdout
+    metrics = result["metrics"]
+    assert (metrics["completed"], metrics["failed"]) == (8, 0)
+    assert metrics["total_output_tokens"] == 8 * 8  # ignore_eos: every request runs to --output-len
+    assert metrics["total_input_tokens"] == 8 * 16
+    _assert_all_metrics(metrics)
+    assert result["config"]["model"] == "tiny-bench"  # the first id of /v1/models
+    assert len(result["client"]["per_process"]) == 2 and result["client"]["cpu_s"] > 0
+    details = result["details"]
+    for ttft, itl, e2e in zip(details["ttft"], details["itl"], details["e2el"]):
+        assert len(itl) <= 7 and sum(itl) == pytest.approx(e2e - ttft)  # a chunk may carry several tokens
+
+
+def test_chat_with_a_rate_and_a_concurrency_limit(api_url):
+    proc = bench("--base-url", api_url, "--api-key", KEY, *WORKLOAD, "--endpoint", "/v1/chat/completions",
+                 "--request-rate", "40", "--max-concurrency", "3", "--client-processes", "2")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "Maximum request concurrency:             3" in proc.stdout
+    assert "Successful requests:                     8" in proc.stdout
+    assert "Total generated tokens:                  64" in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["bad key", "over the length limit"])
+def test_failures_are_counted_with_their_message(api_url, tmp_path, case):
+    out = tmp_path / "failed.json"
+    if case == "bad key":
+        args = ["--api-key", "sk-wrong", "--model", "tiny-bench", *WORKLOAD]
+        expected = "HTTP 401"
+    else:
+        args = ["--api-key", KEY, "--num-prompts", "4", "--input-len", "16", "--output-len", "1000"]
+        expected = "HTTP 400"
+    proc = bench("--base-url", api_url, *args, "--save-result", str(out))
+    assert proc.returncode == 1, proc.stderr + proc.stdout  # nothing succeeded: a benchmark that measured nothing
+    metrics = orjson.loads(out.read_bytes())["metrics"]
+    num_prompts = int(args[args.index("--num-prompts") + 1])
+    assert (metrics["completed"], metrics["failed"]) == (0, num_prompts)
+    assert metrics["errors"] and all(expected in e for e in metrics["errors"])
+    assert expected in proc.stdout
+
+
+def test_engine_only_runs_the_same_workload(served, tiny_model_path, tmp_path):
+    _, served_path, served_result = served
+    out = tmp_path / "engine.json"
+    proc = bench("--engine-only", "--model", str(tiny_model_path), "--device", "cpu", *WORKLOAD,
+                 "--save-result", str(out), "--compare", str(served_path), env=ONE_THREAD)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "Engine-only Benchmark Result" in proc.stdout and "Served / engine-only" in proc.stdout
+    result = orjson.loads(out.read_bytes())
+    metrics = result["metrics"]
+    assert (metrics["completed"], metrics["failed"]) == (8, 0)
+    assert metrics["total_output_tokens"] == served_result["metrics"]["total_output_tokens"] == 64
+    assert metrics["total_input_tokens"] == served_result["metrics"]["total_input_tokens"]
+    _assert_all_metrics(metrics)
+    ratios = result["compare"]["served_over_engine_only"]
+    assert ratios["output_throughput"] == pytest.approx(
+        served_result["metrics"]["output_throughput"] / metrics["output_throughput"])
