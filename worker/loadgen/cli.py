@@ -24,8 +24,9 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 def default_client_processes() -> int:
-    """A quarter of the cores, 1 to 16: one asyncio process keeps up with a few thousand SSE chunks a second
-    (its CPU use is printed with the results: near 1.0 CPU s/s means it was the bottleneck)."""
+    """A quarter of the cores, 1 to 16. One process costs ~30 µs of CPU per SSE arrival (measured on a 2-core
+    VM against a scripted server: 20k separately arriving chunks/s took 0.65 CPU s/s), so it keeps up with
+    ~25k token chunks a second; its CPU use is printed with the results (near 1.0 CPU s/s: the bottleneck)."""
     return max(1, min(16, (os.cpu_count() or 1) // 4))
 
 

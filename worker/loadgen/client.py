@@ -177,7 +177,8 @@ class Shard:
     counter: object = None  # multiprocessing.Value: the next request index to take
 
 
-async def run_shard(shard: Shard, t0: float) -> list[RequestRecord]:
+async def run_shard(shard: Shard, t0: float) -> tuple[list[RequestRecord], int]:
+    """The shard's records and how many connections it opened (keep-alive at work: far fewer than requests)."""
     pool = Pool(Endpoint.parse(shard.url))
     records: list[RequestRecord] = []
 
@@ -204,7 +205,7 @@ async def run_shard(shard: Shard, t0: float) -> list[RequestRecord]:
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
     pool.close()
-    return records
+    return records, pool.num_opened
 
 
 def _claim(counter) -> int:
@@ -220,8 +221,9 @@ def client_process(conn, shard: Shard) -> None:
     conn.send("ready")
     t0 = conn.recv()
     cpu0 = time.process_time()
-    records = asyncio.run(run_shard(shard, t0))
-    conn.send((records, time.process_time() - cpu0, time.monotonic() - t0))
+    records, num_connections = asyncio.run(run_shard(shard, t0))
+    conn.send((records, {"cpu_s": time.process_time() - cpu0, "wall_s": time.monotonic() - t0,
+                         "connections": num_connections}))
     conn.close()
 
 
@@ -242,7 +244,7 @@ def _raise_fd_limit() -> None:
 class ClientRun:
     records: list[RequestRecord]
     duration_s: float
-    client: dict  # {"per_process": [{"cpu_s", "wall_s"}], "cpu_s", "wall_s", "cpu_per_wall"}
+    client: dict  # {"per_process": [{"cpu_s", "wall_s", "connections"}], "cpu_s", "wall_s", "cpu_per_wall"}
 
 
 def run_clients(url: str, head: bytes, bodies: list[bytes], prompt_lens: list[int | None], arrivals: list[float],
@@ -285,8 +287,8 @@ def run_clients(url: str, head: bytes, bodies: list[bytes], prompt_lens: list[in
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    records = sorted((r for rs, _, _ in results for r in rs), key=lambda r: r.index)
-    per_process = [{"pid_index": i, "cpu_s": cpu, "wall_s": wall} for i, (_, cpu, wall) in enumerate(results)]
+    records = sorted((r for rs, _ in results for r in rs), key=lambda r: r.index)
+    per_process = [stats for _, stats in results]
     cpu, wall = sum(p["cpu_s"] for p in per_process), max(p["wall_s"] for p in per_process)
     client = {"per_process": per_process, "cpu_s": cpu, "wall_s": wall, "cpu_per_wall": cpu / max(wall, 1e-9),
               "cpu_count": os.cpu_count()}

@@ -119,11 +119,9 @@ class Connection:
         self.reader = reader
         self.writer = writer
         self.is_reusable = True
-        self.num_requests = 0
 
     async def send(self, head: bytes, body: bytes) -> Response:
         """Write one request and read the status line and headers of its response."""
-        self.num_requests += 1
         self.writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         block = await self.reader.readuntil(b"\r\n\r\n")
         status_line, *header_lines = block[:-4].split(b"\r\n")

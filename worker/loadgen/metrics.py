@@ -111,6 +111,7 @@ def format_table(metrics: dict, title: str, config: dict, client: dict | None) -
         lines.append(_row("Client CPU, all processes (CPU s/s):", client["cpu_per_wall"], ".3f"))
         busiest = max((p["cpu_s"] / max(p["wall_s"], 1e-9) for p in client["per_process"]), default=0.0)
         lines.append(_row("Busiest client process (CPU s/s):", busiest, ".3f"))
+        lines.append(_row("Connections opened:", sum(p["connections"] for p in client["per_process"])))
     lines.append("=" * 50)
     for i, err in enumerate(metrics["errors"]):
         lines.append(f"error {i}: {err}")
