@@ -92,7 +92,9 @@ async def _read_stream(response: Response, record: RequestRecord, sent: float) -
     buf, last, num_chunks, usage = b"", None, 0, None
     while (piece := await response.next_piece()) is not None:
         now = time.monotonic()
-        buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
+        buf += piece
+        if b"\r" in buf:  # CRLF events; buf holds only an unfinished event, so this stays cheap
+            buf = buf.replace(b"\r\n", b"\n")
         while (cut := buf.find(b"\n\n")) >= 0:
             event, buf = buf[:cut], buf[cut + 2:]
             for line in event.split(b"\n"):
