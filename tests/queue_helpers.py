@@ -62,11 +62,14 @@ def pending_count(r: redis.Redis) -> int:
     return total
 
 
-def start_worker(redis_url: str, model: str, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """A worker process; its log goes to a file (a pipe nobody reads would block it), see ``log_of``."""
+def start_worker(redis_url: str, model: str, name: str | None, *extra: str,
+                 env: dict | None = None) -> subprocess.Popen:
+    """A worker process (``name`` None: the worker picks its own); its log goes to a file (a pipe nobody reads
+    would block it), see ``log_of``."""
+    named = ["--name", name] if name is not None else []
     cmd = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "--log-format", "json", "worker",
-           "--redis-url", redis_url, "--model", model, "--device", "cpu", "--name", name, *extra]
-    log = tempfile.NamedTemporaryFile(prefix=f"gaggle-{name}-", suffix=".log", delete=False)
+           "--redis-url", redis_url, "--model", model, "--device", "cpu", *named, *extra]
+    log = tempfile.NamedTemporaryFile(prefix=f"gaggle-{name or 'worker'}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=log)
     proc.log_path = log.name

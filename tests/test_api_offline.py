@@ -29,6 +29,7 @@ from worker import contract as c
 MAX_QUEUE = 3
 TIMEOUT_S = 4.0  # long enough for the polling test on a loaded machine
 FAKE = "fake-worker"
+MAX_BODY = 64 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,9 @@ def offline(redis_server):
     r = flushed(url)
     set_fake_heartbeat(r)
     api = ApiServer(url, "--max-queue", str(MAX_QUEUE), "--request-timeout", str(TIMEOUT_S),
-                    "--max-prompt-tokens", "1000", env={"GAGGLE_KEEPALIVE_S": "0.4", "GAGGLE_RESULT_POLL_S": "0.3"})
+                    "--max-prompt-tokens", "1000", env={"GAGGLE_KEEPALIVE_S": "0.4", "GAGGLE_RESULT_POLL_S": "0.3",
+                                                        "GAGGLE_MAX_BODY_BYTES": str(MAX_BODY),
+                                                        "GAGGLE_MAX_SEQUENCES_PER_CALL": "8"})
     try:
         api.wait_healthy()
         api.r = r
@@ -212,6 +215,104 @@ def test_merged_deltas_stream_their_tokens_in_order(offline):
     assert [ch["text"] for ch in choices] == ["ab", "c"]
     assert [len(ch["logprobs"]["tokens"]) for ch in choices] == [2, 1]
     assert [ch["finish_reason"] for ch in choices] == [None, "length"] and got["lines"][-1] == "data: [DONE]"
+
+
+def stream_lines_of_a_scripted_request(offline, messages) -> list[str]:
+    """Stream one completion while this test plays the worker: ``messages(rid)`` are published on its channel."""
+    clear_queue(offline.r)
+    got = {}
+
+    def stream():
+        with httpx.stream("POST", offline.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 8, "stream": True}) as resp:
+            got["lines"] = [line for line in resp.iter_lines() if line]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
+    rid = c.QueuedRequest.decode(entry[0][1]).id
+    pipe = offline.r.pipeline()
+    for msg in messages(rid):
+        if isinstance(msg, c.Result):
+            pipe.set(c.result_key(rid), msg.encode())
+            pipe.publish(c.out_channel(rid), c.final_message(rid, msg.encode()))
+        else:
+            pipe.publish(c.out_channel(rid), msg)
+    pipe.execute()
+    thread.join(timeout=30)
+    return got["lines"]
+
+
+def scripted(rid: str, final_text: str) -> list:
+    """Deltas "ab" (offset 0), then "fg" at offset 5: the three characters between were lost."""
+    return [c.status_message(rid, c.STATUS_RUNNING),
+            c.delta_message(rid, [{"index": 0, "text": "ab", "token_ids": [1, 2], "offset": 0, "text_offset": 0}]),
+            c.delta_message(rid, [{"index": 0, "text": "fg", "token_ids": [6, 7], "offset": 5, "text_offset": 5}]),
+            c.Result(id=rid, choices=[c.Choice(0, final_text, list(range(1, 9)), "length")], prompt_tokens=1,
+                     completion_tokens=8)]
+
+
+def test_a_gap_in_the_deltas_is_filled_from_the_result(offline):
+    lines = stream_lines_of_a_scripted_request(offline, lambda rid: scripted(rid, "abcdefgh"))
+    chunks = [orjson.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    texts = [ch["choices"][0]["text"] for ch in chunks if ch["choices"]]
+    assert "".join(texts) == "abcdefgh" and texts[0] == "ab"  # "fg" held back: it came after a gap
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and lines[-1] == "data: [DONE]"
+
+
+def test_a_stream_that_cannot_be_reconciled_ends_with_an_error(offline):
+    lines = stream_lines_of_a_scripted_request(offline, lambda rid: scripted(rid, "xyzdefgh"))
+    bodies = [orjson.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert is_openai_error(bodies[-1]) and bodies[-1]["error"]["code"] == "stream_inconsistent"
+    assert all(b.get("choices", [{}])[0].get("finish_reason") is None for b in bodies[:-1])
+
+
+def test_bad_input_is_a_4xx_and_the_connection_stays_usable(offline):
+    with httpx.Client(base_url=offline.url, timeout=30) as http:
+        bias = http.post("/v1/completions", json={"prompt": "x", "logit_bias": {"²": 1}})
+        assert bias.status_code == 400 and bias.json()["error"]["param"] == "logit_bias"
+        big = http.post("/v1/completions", json={"prompt": "x" * MAX_BODY})
+        assert big.status_code == 413 and is_openai_error(big.json())
+        chunked = http.post("/v1/completions", content=(b"x" * 4096 for _ in range(MAX_BODY // 4096 + 2)),
+                            headers={"Content-Type": "application/json"})  # no Content-Length
+        assert chunked.status_code == 413 and is_openai_error(chunked.json())
+        many = http.post("/v1/completions", json={"prompt": ["a"] * 9})  # 9 > 8 sequences
+        assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_sequences"
+        assert http.get("/health").status_code == 200  # the same keep-alive connection
+
+
+def test_an_unexpected_error_is_a_500_error_object_and_the_connection_stays_open():
+    import uvicorn
+    from fastapi import FastAPI
+
+    from api.middleware import CatchAll
+    from worker.redis_server import free_port
+
+    app = FastAPI()
+    app.add_middleware(CatchAll)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    @app.get("/fine")
+    async def fine():
+        return {"ok": True}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 10, 0.01, "uvicorn")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            bad = http.get("/boom")
+            assert bad.status_code == 500 and is_openai_error(bad.json())
+            assert http.get("/fine").json() == {"ok": True}
+            assert http.get("/boom").status_code == 500 and http.get("/fine").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_no_live_worker_is_503_and_not_ready(offline, client):
