@@ -75,9 +75,9 @@ class ClusterCollector:
 
     def collect(self):
         queue = GaugeMetricFamily("gaggle_queue_depth", "Entries in a request stream (queued + in flight)",
-                                  labels=["stream"])
+                                  labels=["priority", "tenant"])
         for stream, depth in self.snapshot.get("queues", {}).items():
-            queue.add_metric([stream.removeprefix(c.PREFIX)], depth)
+            queue.add_metric(list(c.stream_priority_tenant(stream)), depth)
         yield queue
         workers: list[c.Heartbeat] = self.snapshot.get("workers", [])
         yield GaugeMetricFamily("gaggle_workers_live", "Workers with a fresh heartbeat", value=len(workers))

@@ -10,7 +10,8 @@ import tempfile
 FLAG_SETTINGS = {  # argparse dest -> Settings field
     "redis_url": "redis_url", "api_keys_file": "api_keys_file", "max_queue": "max_queue",
     "max_prompt_tokens": "max_prompt_tokens", "model_name": "model_name", "max_model_len": "max_model_len",
-    "request_timeout": "request_timeout_s", "max_n": "max_n",
+    "request_timeout": "request_timeout_s", "max_n": "max_n", "max_queue_per_tenant": "max_queue_per_tenant",
+    "max_sequences_per_call": "max_sequences_per_call", "max_body_bytes": "max_body_bytes",
 }
 
 
@@ -20,6 +21,9 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="API processes (uvicorn workers)")
     p.add_argument("--api-keys-file", help="lines 'key tenant' (also: GAGGLE_API_KEYS=key:tenant,...)")
     p.add_argument("--max-queue", type=int, help="429 above this many queued + running requests")
+    p.add_argument("--max-queue-per-tenant", type=int, help="429 above this many of one tenant's (0: no own limit)")
+    p.add_argument("--max-sequences-per-call", type=int, help="400 above this many prompts × n in one call (256)")
+    p.add_argument("--max-body-bytes", type=int, help="413 above this request body size (4 MiB)")
     p.add_argument("--max-prompt-tokens", type=int)
     p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit")
     p.add_argument("--max-n", type=int)

@@ -80,6 +80,12 @@ def request_stream(priority: str, tenant: str) -> str:
     return f"{PREFIX}requests:{priority}:{tenant}"
 
 
+def stream_priority_tenant(stream: str) -> tuple[str, str]:
+    """The (priority, tenant) of a request_stream name."""
+    priority, _, tenant = stream.removeprefix(f"{PREFIX}requests:").partition(":")
+    return priority, tenant
+
+
 def owner_key(owner: str) -> str:
     """The lease of an API process (see OWNER_TTL_S)."""
     return f"{PREFIX}api:{owner}"

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 # it holds none. Returns {ids, delivery counts, entries} (an entry is nil where it was deleted from the stream).
 RECLAIM_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return {{}, {}, {}} end
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2])
+local pending = {}
+if tonumber(ARGV[4]) > 0 then pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2]) end
 local ids, counts = {}, {}
 for i, p in ipairs(pending) do ids[i] = p[1]; counts[i] = p[4] + 1 end
 local entries = {}
@@ -70,6 +71,7 @@ class ReaderConfig:
     heartbeat_interval_s: float = c.HEARTBEAT_INTERVAL_S
     tenants_interval_s: float = 0.25
     audit_interval_s: float = 5.0
+    consumers_gc_interval_s: float = 60.0  # dead consumers holding nothing are deleted (names are unique)
     owners_interval_s: float = 1.0
     watch_interval_s: float = 0.5  # how soon an /events watcher starts receiving an async request's deltas
 
@@ -150,6 +152,7 @@ class Reader:
         beat, tenants = _Every(self.cfg.heartbeat_interval_s), _Every(self.cfg.tenants_interval_s)
         reclaim, audit = _Every(self.cfg.reclaim_interval_s), _Every(self.cfg.audit_interval_s)
         owners, watches = _Every(self.cfg.owners_interval_s), _Every(self.cfg.watch_interval_s)
+        consumers_gc = _Every(self.cfg.consumers_gc_interval_s, time.monotonic() + self.cfg.consumers_gc_interval_s)
         replayed = False
         while not stop.is_set():
             try:
@@ -171,6 +174,8 @@ class Reader:
                         self._reclaim_from_dead()
                     if self.reading and audit.due(now):
                         self._audit_own_pending()
+                    if consumers_gc.due(now):
+                        self._delete_dead_consumers()
                     self._read_new(stop)
             except redis.ResponseError as e:
                 if "NOGROUP" in str(e):  # a stream or its group vanished (FLUSHALL, restart without AOF)
@@ -290,22 +295,26 @@ class Reader:
         return pending[0]["times_delivered"] if pending else 1
 
     def _reclaim_from_dead(self) -> None:
-        """Take pending entries whose consumer's heartbeat has expired, up to what we can run."""
-        for stream in self._streams.all:
+        """Take pending entries whose consumer's heartbeat has expired, up to what we can run (two round trips
+        when nobody died: every stream's pending summary, then the owners' heartbeats)."""
+        streams = self._streams.all
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xpending(stream, c.GROUP)
+        held = [(stream, o["name"].decode()) for stream, summary in zip(streams, pipe.execute())
+                for o in summary.get("consumers") or [] if o["name"].decode() != self.name]
+        owners = sorted({owner for _, owner in held})
+        if not owners:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for owner in owners:
+            pipe.exists(c.heartbeat_key(owner))
+        dead = {owner for owner, alive in zip(owners, pipe.execute()) if not alive}
+        for stream, owner in held:
             want = self._want()
             if want <= 0:
                 return
-            summary = self.redis.xpending(stream, c.GROUP)
-            owners = [o["name"].decode() for o in summary.get("consumers") or [] if o["name"].decode() != self.name]
-            if not owners:
-                continue
-            pipe = self.redis.pipeline(transaction=False)
-            for owner in owners:
-                pipe.exists(c.heartbeat_key(owner))
-            for owner in (o for o, alive in zip(owners, pipe.execute()) if not alive):
-                want = self._want()
-                if want <= 0:
-                    return
+            if owner in dead:
                 self._claim_from(stream, owner, want)
 
     def _claim_from(self, stream: str, owner: str, count: int) -> None:
@@ -317,6 +326,22 @@ class Reader:
         log.info("reclaimed entries of a dead worker", extra={"worker": self.name, "from": owner,
                                                               "stream": stream, "count": len(ids)})
         self._deliver(stream, [(eid, fields_by_id.get(eid), n) for eid, n in zip(ids, counts)])
+
+    def _delete_dead_consumers(self) -> None:
+        """Consumers without a heartbeat that hold no entries and were idle a minute: gone for good (the script
+        checks both in one step, so a consumer that still holds entries is never deleted)."""
+        idle_ms = int(self.cfg.consumers_gc_interval_s * 1000)
+        for stream in self._streams.all:
+            for info in self.redis.xinfo_consumers(stream, c.GROUP):
+                name = info["name"].decode() if isinstance(info["name"], bytes) else info["name"]
+                if name != self.name and info["pending"] == 0 and info["idle"] >= idle_ms:
+                    self._reclaim(keys=[stream, c.heartbeat_key(name)], args=[c.GROUP, name, self.name, 0])
+
+    def leave(self) -> None:
+        """At exit, after the heartbeat is deleted: drop this consumer from the streams where it holds nothing
+        (where it still holds entries, the workers that take them delete it)."""
+        for stream in self._streams.all:
+            self._reclaim(keys=[stream, c.heartbeat_key(self.name)], args=[c.GROUP, self.name, self.name, 0])
 
     def _audit_own_pending(self) -> None:
         """Entries pending under our name that we do not hold (their XACK was lost): deliver them again."""

@@ -133,8 +133,12 @@ class Worker:
         self.io.flush(timeout_s=10.0)
         self._release_unfinished()
         self.io.stop()
-        self.io.redis.delete(c.heartbeat_key(self.cfg.name))
-        self.io.redis.zrem(c.WORKER_REGISTRY, self.cfg.name)
+        try:
+            self.io.redis.delete(c.heartbeat_key(self.cfg.name))
+            self.io.redis.zrem(c.WORKER_REGISTRY, self.cfg.name)
+            self.reader.leave()
+        except redis.RedisError as e:  # our heartbeat expires anyway: others take what we hold
+            log.warning("could not sign off from redis", extra={"worker": self.cfg.name, "error": str(e)})
         log.info("worker stopped", extra={"worker": self.cfg.name})
 
     def _release_unfinished(self) -> None:
