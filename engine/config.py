@@ -21,6 +21,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.90
     seed: int = 0  # seeds requests that bring none
+    async_scheduling: bool = True  # launch step t+1 before finishing step t on the host (engine.engine)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

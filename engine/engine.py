@@ -2,8 +2,13 @@
 
     engine.add(Request(...)); while engine.has_work(): outputs = engine.step()
 
-A step reads like the architecture: schedule → admit → run the model and
-sample → detokenize, check stops, finish.
+A step reads like the architecture: schedule → admit → launch the model and the
+sampler → detokenize, check stops, finish. Overlapped (the default): ``step()``
+launches step t+1 on the device, then finishes step t on the host while the GPU
+runs t+1, and returns step t's outputs. Sampled tokens stay on the device and
+feed the next decode; a sequence that stops at step t is known one step late,
+and the token step t+1 sampled for it is dropped (never emitted or counted).
+Same seed, same tokens as the serial loop (``async_scheduling=False``).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import random
 
 from engine.config import EngineConfig
-from engine.runner import ModelRunner
+from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import SampleOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Request, Sequence, SequenceOutput, Status, TokenLogprob
@@ -41,6 +46,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens)
         self._seed_rng = random.Random(config.seed)
         self._sequences: dict[str, list[Sequence]] = {}
+        self._launched: LaunchedStep | None = None  # on the device; finished by the next step()
 
     # -- public API ---------------------------------------------------------------
 
@@ -69,7 +75,7 @@ class LLMEngine:
         return self.scheduler.num_unfinished
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._sequences
@@ -98,8 +104,10 @@ class LLMEngine:
             request.prompt_token_ids = [self.eos_token_id]  # an empty prompt starts a new document
         seqs = [Sequence(request, i, self._text_stream(request)) for i in range(request.n)]
         base = request.params.seed if request.params.seed is not None else self._seed_rng.getrandbits(63)
+        max_output = min(request.params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
         for s in seqs:
             s.seed = (base + s.index * SIBLING_SEED_STRIDE) & SEED_MASK
+            s.max_output_tokens = max_output
         seqs[0].siblings = seqs[1:]
         self._sequences[request.request_id] = seqs
         self.scheduler.add(seqs[0])
@@ -119,13 +127,25 @@ class LLMEngine:
         return True
 
     def step(self) -> list[SequenceOutput]:
+        """Launch the next step; finish the previous one (overlapped) or this one (serial); their outputs."""
+        previous, self._launched = self._launched, self._launch()
+        outputs = self._finish_step(previous) if previous is not None else []
+        if not self.config.async_scheduling and self._launched is not None:
+            outputs += self._finish_step(self._launched)
+            self._launched = None
+        return outputs
+
+    def _launch(self) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return None
         self.runner.admit(batch.admitted)
-        seqs, sampled = self.runner.run(batch)
+        launched = self.runner.launch(batch)
         self._complete_prefills(batch)
-        return self._postprocess(seqs, sampled)
+        return launched
+
+    def _finish_step(self, step: LaunchedStep) -> list[SequenceOutput]:
+        return self._postprocess(step.seqs, self.runner.collect(step))
 
     # -- internals ----------------------------------------------------------------
 
@@ -144,12 +164,15 @@ class LLMEngine:
             return []
         outputs = []
         for row, seq in enumerate(seqs):
+            if seq.is_finished:  # stopped (or aborted) while this step ran: its token is dropped
+                continue
             token = sampled.token_ids[row]
             seq.output_token_ids.append(token)
             text = self._append_text(seq, token)
             outputs.append(SequenceOutput(
                 request_id=seq.request_id, index=seq.index, token_ids=[token], text=text,
-                logprobs=self._logprob_entry(sampled, row, token), finished=seq.is_finished,
+                logprobs=self._logprob_entry(sampled, row, token) if seq.params.logprobs is not None else None,
+                finished=seq.is_finished,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 stop_reason=seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=len(seq.output_token_ids),
@@ -168,7 +191,7 @@ class LLMEngine:
         text = stream.push(token, armed=num_out >= params.min_tokens)  # stop strings from min_tokens on (vLLM)
         if stream.stopped:
             return self._finish(seq, FinishReason.STOP, stream.stop_str, text)
-        if num_out >= params.max_tokens or seq.num_prompt_tokens + num_out >= self.config.max_model_len:
+        if num_out >= seq.max_output_tokens:  # max_tokens, or what max_model_len leaves
             return self._finish(seq, FinishReason.LENGTH, None, text + stream.finish())
         return text
 

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model import ReferenceRwkv7
-from engine.sampler import SampleOutput, Sampler
+from engine.device import to_device
+from engine.sampler import PendingSample, SampleOutput, Sampler
 from engine.scheduler import PrefillChunk, SchedulerOutput
 from engine.sequence import Sequence, TokenLogprob
 from engine.state import StatePool
 from engine.weights import Rwkv7Weights
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: the sequences of its rows, in order, and its results on their way."""
+    seqs: list[Sequence]
+    sample: PendingSample
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,6 +43,8 @@ class ModelRunner:
         self.pool = StatePool(self.shape, self.num_slots + 1, self.device, self.dtype, self.state_dtype)
         self.model = self._make_model(weights)
         self.sampler = Sampler(self.num_slots, self.shape.vocab_size, self.device)
+        # each slot's last sampled token: the next decode's input, never through the host
+        self.last_tokens = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
                                               "dtype": str(self.dtype), "num_slots": self.num_slots,
                                               "state_bytes_per_seq": self.state_bytes_per_seq})
@@ -66,12 +77,14 @@ class ModelRunner:
         """Fresh state and sampler settings for sequences that just got a slot."""
         if not seqs:
             return
-        self.pool.reset(torch.tensor([s.slot for s in seqs], device=self.device))
+        self.pool.reset(to_device([s.slot for s in seqs], torch.long, self.device))
         for s in seqs:
             self.sampler.reset_slot(s.slot, s.params, s.seed, s.prompt_token_ids, self.eos_token_ids)
 
-    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], SampleOutput | None]:
-        """Run the step's prefill chunks and decodes; sample for every sequence that produces a token."""
+    def launch(self, batch: SchedulerOutput) -> LaunchedStep | None:
+        """Queue the step's prefill chunks, decodes and sampling on the device and start the sampled tokens'
+        copy to the host; returns without waiting for the GPU. Decodes read their input tokens from
+        ``last_tokens`` (what the previous step sampled, still on the device)."""
         seqs: list[Sequence] = []
         logits: list[torch.Tensor] = []
         if batch.prefills:
@@ -87,15 +100,22 @@ class ModelRunner:
                     seqs += family
                     logits.append(row.expand(len(family), -1))
         if batch.decodes:
-            tokens = torch.tensor([s.last_token_id for s in batch.decodes], device=self.device)
-            slots = torch.tensor([s.slot for s in batch.decodes], device=self.device)
+            slots = to_device([s.slot for s in batch.decodes], torch.long, self.device)
             seqs += batch.decodes
-            logits.append(self.model.decode(tokens, slots))
+            logits.append(self.model.decode(self.last_tokens[slots], slots))
         if not seqs:
-            return [], None
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+            return None
+        slots = to_device([s.slot for s in seqs], torch.long, self.device)
         rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # a decode-only step copies nothing
-        return seqs, self.sampler.sample(rows.float(), slots)
+        sample = self.sampler.sample_device(rows.float(), slots)
+        self.last_tokens[slots] = sample.tokens
+        for s in seqs:
+            s.num_launched += 1
+        return LaunchedStep(seqs, PendingSample(sample))
+
+    def collect(self, step: LaunchedStep) -> SampleOutput:
+        """The sampled tokens (and logprobs) of a launched step; waits for the GPU only if it is still on it."""
+        return step.sample.result()
 
     @staticmethod
     def _prompt_targets(chunks: list[PrefillChunk]) -> dict[int, tuple[list[int], int]]:
@@ -120,7 +140,7 @@ class ModelRunner:
             s.prompt_logprobs = lead.prompt_logprobs
         if not lead.siblings:
             return
-        dst = torch.tensor([s.slot for s in lead.siblings], device=self.device)
+        dst = to_device([s.slot for s in lead.siblings], torch.long, self.device)
         self.pool.copy(lead.slot, dst)
         for s in lead.siblings:
             self.sampler.copy_slot(lead.slot, s.slot, s.seed)

@@ -430,3 +430,43 @@ class Sampler:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} outside 0..{self.num_slots - 1}")
+
+
+# -- device-side results (the overlapped loop) -------------------------------------------------------
+
+@dataclass
+class DeviceSample:
+    """One step's results, still on the device."""
+    tokens: torch.Tensor  # [B] int64
+    packed: torch.Tensor | None = None  # [B, 3 + 2K] float64 when a row asked for logprobs (see _pack)
+
+
+def _sample_device(self: Sampler, logits: torch.Tensor, slots: torch.Tensor) -> DeviceSample:
+    f = self._features()
+    processed = self.process_logits(logits, slots)
+    tokens, complete = self._choose(processed, slots, f)
+    if complete is not None and not bool(complete.all()):  # rare: a nucleus wider than the candidates
+        wide = (~complete).nonzero().squeeze(1)
+        scaled = self._scaled(processed[wide], slots[wide], self._temperature[slots[wide]], f)
+        tokens[wide] = self._sample_candidates(scaled, slots[wide], scaled.shape[1])[0]
+    packed = self._pack(logits, slots, tokens, f) if f["logprobs"] else None
+    self._record(slots, tokens)
+    return DeviceSample(tokens, packed)
+
+
+Sampler.sample_device = _sample_device
+
+
+class PendingSample:
+    """A DeviceSample on its way to the host: one non-blocking copy, read by ``result``."""
+
+    def __init__(self, sample: DeviceSample):
+        from engine.device import HostCopy
+        self.has_logprobs = sample.packed is not None
+        self.copy = HostCopy(sample.packed if self.has_logprobs else sample.tokens)
+
+    def result(self) -> SampleOutput:
+        rows = self.copy.wait().tolist()
+        if not self.has_logprobs:
+            return SampleOutput(token_ids=rows)
+        return Sampler._unpack(None, rows, {"logprobs": True})

@@ -83,7 +83,7 @@ class Scheduler:
         return sum(1 + len(s.siblings) for s in (*self.waiting, *self.prefilling)) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(decodes=list(self.running))
+        out = SchedulerOutput(decodes=[s for s in self.running if s.wants_decode])
         budget = self.max_num_batched_tokens - len(out.decodes)
         for seq in self.prefilling:
             if budget <= 0:
@@ -110,7 +110,8 @@ class Scheduler:
         return take
 
     def complete_chunk(self, chunk: PrefillChunk) -> None:
-        """Record a chunk as run; a finished prompt starts decoding with its siblings."""
+        """Record a chunk as launched; a finished prompt starts decoding with its siblings (the last chunk
+        samples their first tokens: the next step decodes from them, on the device)."""
         seq = chunk.seq
         seq.num_prefilled = chunk.end
         if chunk.is_last:

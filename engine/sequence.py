@@ -75,6 +75,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.prompt_logprobs: list[TokenLogprob] = []  # filled chunk by chunk when params.prompt_logprobs is set
+        self.num_launched = 0  # tokens sampled on the device (ahead of output_token_ids by a step when overlapped)
+        self.max_output_tokens = request.params.max_tokens  # the engine caps it by max_model_len
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +93,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    @property
+    def wants_decode(self) -> bool:
+        """Running and not yet at its length limit counting the tokens already launched (an overlapped step's
+        results arrive a step late: without this, a sequence at max_tokens would be decoded once more)."""
+        return self.num_launched < self.max_output_tokens
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, slot={self.slot}, "

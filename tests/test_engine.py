@@ -92,9 +92,10 @@ def test_scheduler_respects_token_budget_and_chunks_long_prompts(tiny_weights):
         running_before = list(engine.scheduler.running)
         assert set(map(id, batch.decodes)) == set(map(id, running_before))  # every running seq decodes
         engine.runner.admit(batch.admitted)
-        seqs, sampled = engine.runner.run(batch)
+        launched = engine.runner.launch(batch)
         engine._complete_prefills(batch)
-        engine._postprocess(seqs, sampled)
+        if launched is not None:  # serially: every running sequence decodes in the next step
+            engine._finish_step(launched)
         steps += 1
     assert steps >= 70 // 16  # the long prompt was chunked
 
@@ -107,8 +108,10 @@ def test_abort_frees_the_slot_at_once(tiny_weights):
     assert engine.num_free_slots == 0 and engine.num_running == 2
     assert engine.abort("a")
     assert engine.num_free_slots == 1 and not engine.has_request("a")
-    outs = engine.step()
-    assert {o.request_id for o in outs} == {"b", "c"}  # "c" was admitted into the freed slot
+    outs = engine.step()  # overlapped: "c" is launched into the freed slot; the step before it finishes
+    assert engine.has_request("c") and engine.num_running == 2
+    outs += engine.step()
+    assert {o.request_id for o in outs} == {"b", "c"}  # nothing more of "a": its token in flight was dropped
     assert not engine.abort("a")
 
 
