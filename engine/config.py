@@ -17,6 +17,8 @@ class EngineConfig:
     backend: str = "auto"  # auto = cuda kernels on a GPU, reference otherwise
     max_num_seqs: int = 256  # concurrent sequences (state slots)
     max_num_batched_tokens: int = 4096  # tokens per step: decodes + admitted prompt chunks
+    prefill_per_decode: float = 2.0  # while sequences decode: prompt tokens per step per decoding one (0: no cap)
+    min_prefill_chunk: int = 1024  # ... but at least this many (engine.scheduler)
     max_model_len: int = 1 << 20  # prompt + output tokens per sequence
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.90
@@ -35,6 +37,8 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs}) so prompts are never starved")
+        if self.prefill_per_decode < 0 or self.min_prefill_chunk < 1:
+            raise ValueError("prefill_per_decode must be >= 0 and min_prefill_chunk >= 1")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.1 <= self.gpu_memory_utilization <= 1.0:

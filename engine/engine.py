@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 from engine.config import EngineConfig
 from engine.runner import LaunchedStep, ModelRunner
@@ -43,7 +44,8 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.runner = ModelRunner(config, weights, [self.eos_token_id])
         self.shape = weights.shape
-        self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens, config.prefill_per_decode,
+                                   config.min_prefill_chunk)
         self._seed_rng = random.Random(config.seed)
         self._sequences: dict[str, list[Sequence]] = {}
         self._launched: LaunchedStep | None = None  # on the device; finished by the next step()
@@ -125,6 +127,14 @@ class LLMEngine:
         del self._sequences[request_id]
         log.info("request aborted", extra={"request_id": request_id, "freed_slots": len(removed)})
         return True
+
+    def warm_up(self) -> float:
+        """Compile, autotune and capture what serving can need, before the first request; the seconds it took."""
+        t0 = time.perf_counter()
+        self.runner.warm_up(self.config.max_num_batched_tokens)
+        seconds = time.perf_counter() - t0
+        log.info("engine warmed up", extra={"seconds": round(seconds, 2), "backend": self.runner.backend})
+        return seconds
 
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; finish the previous one (overlapped) or this one (serial); their outputs."""

@@ -45,6 +45,7 @@ class ModelRunner:
         self.sampler = Sampler(self.num_slots, self.shape.vocab_size, self.device)
         # each slot's last sampled token: the next decode's input, never through the host
         self.last_tokens = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
+        self.step_events: list | None = None  # set to a list: (start, end) CUDA events of each launched step
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
                                               "dtype": str(self.dtype), "num_slots": self.num_slots,
                                               "state_bytes_per_seq": self.state_bytes_per_seq})
@@ -81,12 +82,33 @@ class ModelRunner:
         for s in seqs:
             self.sampler.reset_slot(s.slot, s.params, s.seed, s.prompt_token_ids, self.eos_token_ids)
 
+    def warm_up(self, max_prefill_tokens: int) -> None:
+        """Everything a step can compile, autotune or capture, done now: each decode graph bucket, prefill
+        packings (Triton specialises on sizes divisible by 16, and on 1), the sampler's kernels. Uses free
+        slots and leaves them zeroed; a no-op on the reference path (nothing to compile)."""
+        if self.backend == "reference":
+            return
+        graphs = getattr(self.model, "graphs", None)
+        if graphs is not None:
+            for bs in reversed(graphs.sizes):
+                if bs not in graphs.graphs:
+                    graphs.capture(bs)
+        slots = list(range(min(8, self.num_slots)))
+        for chunks in ([[1]], [[1] * 15], [[1] * 16], [[1] * 7, [2] * 9, [3] * 33],
+                       [[1] * max(1, max_prefill_tokens // len(slots))] * len(slots)):
+            self.model.prefill(chunks, slots[:len(chunks)])
+        self.pool.reset(to_device(slots, torch.long, self.device))
+        if hasattr(self.sampler, "warm_up"):
+            self.sampler.warm_up(graphs.sizes if graphs is not None else [1, self.num_slots])
+        torch.cuda.synchronize(self.device)
+
     def launch(self, batch: SchedulerOutput) -> LaunchedStep | None:
         """Queue the step's prefill chunks, decodes and sampling on the device and start the sampled tokens'
         copy to the host; returns without waiting for the GPU. Decodes read their input tokens from
         ``last_tokens`` (what the previous step sampled, still on the device)."""
         seqs: list[Sequence] = []
         logits: list[torch.Tensor] = []
+        timing = self._record_event() if self.step_events is not None else None
         if batch.prefills:
             score = self._prompt_targets(batch.prefills)
             rows, scores = self.model.prefill_with_scores([c.token_ids for c in batch.prefills],
@@ -111,7 +133,16 @@ class ModelRunner:
         self.last_tokens[slots] = sample.tokens
         for s in seqs:
             s.num_launched += 1
+        if timing is not None:
+            self.step_events.append((timing, self._record_event()))
         return LaunchedStep(seqs, PendingSample(sample))
+
+    def _record_event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def collect(self, step: LaunchedStep) -> SampleOutput:
         """The sampled tokens (and logprobs) of a launched step; waits for the GPU only if it is still on it."""

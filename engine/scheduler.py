@@ -1,10 +1,13 @@
 """Continuous batching: which sequences decode and which prompt chunks prefill this step.
 
-Plain Python, no tensors. Every step decodes every running sequence; the rest
-of the ``max_num_batched_tokens`` budget goes to prompt chunks, first to
-prompts already being prefilled, then to waiting requests that can get their
-slots (``n`` slots for a request with ``n`` choices). Long prompts are chunked
-across steps, so decode latency stays bounded while prompts arrive.
+Plain Python, no tensors. Every step decodes every running sequence; prompt chunks
+get the rest of the ``max_num_batched_tokens`` budget, first prompts already being
+prefilled, then waiting requests that can get their slots (``n`` slots for a request
+with ``n`` choices). While sequences decode, a step's prompt tokens are also held to
+``prefill_per_decode`` per decoding sequence (at least ``min_prefill_chunk``): a
+prefill token costs about what a decoding sequence's step does at any model size, so
+a mixed step stays within ~3× a decode-only step and decoding never stalls for
+long. Long prompts are chunked across steps.
 """
 
 from __future__ import annotations
@@ -65,9 +68,12 @@ class SlotAllocator:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_batched_tokens: int):
+    def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_per_decode: float = 2.0,
+                 min_prefill_chunk: int = 1024):
         self.slots = SlotAllocator(num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_per_decode = prefill_per_decode
+        self.min_prefill_chunk = min_prefill_chunk
         self.waiting: deque[Sequence] = deque()  # lead sequences; siblings ride along
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -84,7 +90,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(decodes=[s for s in self.running if s.wants_decode])
-        budget = self.max_num_batched_tokens - len(out.decodes)
+        budget = self.prefill_budget(len(out.decodes))
         for seq in self.prefilling:
             if budget <= 0:
                 break
@@ -94,6 +100,13 @@ class Scheduler:
             self._admit(seq, out)
             budget -= self._add_chunk(out, seq, budget)
         return out
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prompt tokens this step may take beside ``num_decodes`` decoding sequences."""
+        budget = self.max_num_batched_tokens - num_decodes
+        if num_decodes and self.prefill_per_decode > 0:
+            budget = min(budget, max(self.min_prefill_chunk, int(self.prefill_per_decode * num_decodes)))
+        return budget
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
         for s in (seq, *seq.siblings):

@@ -205,3 +205,108 @@ def test_prompt_logprobs_on_cuda_match_the_reference(small_weights):
     for g, w in zip(got[0], want[0]):
         assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 2e-2
         assert [i for i, _ in g.top] == [i for i, _ in w.top]
+
+
+def _cuda_engine(path, **overrides):
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    cfg = dict(model=str(path), device="cuda", max_num_seqs=32, max_num_batched_tokens=256)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def _requests(n: int = 12):
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    return [Request(f"r{i}", [1 + (i * 31 + k * 7) % 60000 for k in range(5 + 13 * i)],
+                    SamplingParams(max_tokens=20 + i, temperature=0.0 if i % 3 == 0 else 1.0, top_p=0.9, seed=i,
+                                   stop=["ab"] if i % 4 == 1 else [], logprobs=2 if i % 5 == 2 else None),
+                    n=2 if i % 6 == 5 else 1) for i in range(n)]
+
+
+def _run(engine, requests) -> dict:
+    for r in requests:
+        engine.add(r)
+    got: dict = {}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault((o.request_id, o.index), []).extend(o.token_ids)
+    return got
+
+
+def test_overlapped_loop_equals_serial_loop_on_cuda(tmp_path):
+    from engine.demo import write_demo_model
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
+    serial = _run(_cuda_engine(path, async_scheduling=False), _requests())
+    overlapped = _run(_cuda_engine(path, async_scheduling=True), _requests())
+    assert overlapped == serial
+
+
+def test_overlapped_decode_steps_never_wait_for_the_gpu(tmp_path):
+    """In steady decoding a step queues its work and reads the previous step's tokens: the only wait is on that
+    step's event. torch's sync debug mode flags any other synchronising call (a blocking copy, .item(), ...)."""
+    import warnings
+
+    from engine.demo import write_demo_model
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
+    engine = _cuda_engine(path)
+    engine.warm_up()
+    for i in range(16):
+        engine.add(Request(f"d{i}", [5, 6, 7 + i], SamplingParams(max_tokens=400, ignore_eos=True, top_p=0.9,
+                                                                  seed=i)))
+    for _ in range(5):
+        engine.step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(50):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+WARM_CHECK = """
+import os, sys, torch
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.params import SamplingParams
+from engine.sequence import Request
+cache = os.environ["TRITON_CACHE_DIR"]
+engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", max_num_seqs=40, max_num_batched_tokens=512))
+engine.warm_up()
+graphs = set(engine.runner.model.graphs.graphs)
+def entries():
+    return sum(len(files) for _, _, files in os.walk(cache))
+before = entries()
+for batch in (1, 2, 3, 5, 9, 17, 33, 40):
+    for i in range(batch):
+        engine.add(Request(f"{batch}-{i}", [1 + i] * (1 + 37 * i % 300),
+                           SamplingParams(max_tokens=3 + i % 4, top_p=0.9, top_k=5 * (i % 3), seed=i,
+                                          logprobs=i % 3 or None, presence_penalty=0.1 * (i % 2))))
+    while engine.has_work():
+        engine.step()
+print("ENTRIES", before, entries(), "GRAPHS", len(graphs), len(engine.runner.model.graphs.graphs))
+"""
+
+
+def test_warm_up_leaves_nothing_to_compile_or_capture(tmp_path):
+    """A fresh Triton cache: after warm_up, requests of every batch size and mixed prompt lengths compile no
+    kernel and capture no graph (run in a subprocess: kernels compiled earlier in this process would hide it)."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.demo import write_demo_model
+    from tests.queue_helpers import REPO
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", WARM_CHECK, str(path)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("ENTRIES"))
+    _, before, after, _, graphs_before, graphs_after = line.split()
+    assert before == after and graphs_before == graphs_after, line

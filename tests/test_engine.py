@@ -208,3 +208,31 @@ def test_prompt_logprobs_match_official_package(tiny_model_path, tiny_weights):
     q = run_all(plain)["q", 0]
     assert all(o.prompt_logprobs is None for o in q)
     assert [t for o in q for t in o.token_ids] == generated(outs, "p", 0)  # scoring changes nothing generated
+
+
+def test_prefill_beside_decodes_is_bounded_by_the_number_decoding():
+    """A step's prompt tokens: the whole budget with nothing decoding; beside decodes, 2 per decoding sequence
+    (at least the minimum chunk): a mixed step stays within a few decode steps' time."""
+    from engine.scheduler import Scheduler
+    sched = Scheduler(num_slots=2048, max_num_batched_tokens=8192, prefill_per_decode=2.0, min_prefill_chunk=1024)
+    assert sched.prefill_budget(0) == 8192
+    assert sched.prefill_budget(10) == 1024
+    assert sched.prefill_budget(1024) == 2048
+    assert sched.prefill_budget(3000) == 5192  # never more than what the token budget leaves
+    assert Scheduler(16, 64, prefill_per_decode=0).prefill_budget(8) == 56  # 0: no cap
+
+
+def test_long_prompts_beside_decodes_are_chunked_to_the_bound(tiny_weights):
+    engine = make_engine(tiny_weights, max_num_seqs=8, max_num_batched_tokens=512, prefill_per_decode=2.0,
+                         min_prefill_chunk=16)
+    engine.add(Request("decoding", tokens(4, seed=1), SamplingParams(max_tokens=200, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    engine.add(Request("long", tokens(300, seed=2), SamplingParams(max_tokens=2)))
+    chunks = []
+    real_launch = engine.runner.launch
+    engine.runner.launch = lambda batch: (chunks.append(sum(c.end - c.start for c in batch.prefills)),
+                                          real_launch(batch))[1]
+    while engine.has_request("long"):
+        engine.step()
+    assert max(chunks) == 16 and sum(chunks) == 300  # 1 decoding sequence: the minimum chunk per step

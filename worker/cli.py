@@ -102,6 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     if args.check:
         return check_worker(args.redis_url, args.name)
+    use_triton_cache(Path(args.data_dir))
     from engine.engine import LLMEngine
     from engine.weights import ModelFormatError
     from worker.reader import NameInUse
@@ -113,6 +114,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ModelFormatError as e:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
+    engine.warm_up()  # before the first heartbeat: no request waits for a compilation
     device = config.resolved_device()
     cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout)
@@ -127,6 +129,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def use_triton_cache(data_dir: Path) -> None:
+    """Compiled kernels live under the data dir, so a restarted worker loads instead of compiling (set before
+    Triton is imported; an explicit TRITON_CACHE_DIR wins)."""
+    import os
+    os.environ.setdefault("TRITON_CACHE_DIR", str((data_dir / "triton-cache").resolve()))
 
 
 def check_worker(redis_url: str, name: str | None) -> int:
