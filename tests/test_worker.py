@@ -16,6 +16,7 @@ from tests.conftest import make_engine
 from tests.queue_helpers import (REPO, heartbeat, log_of, pending_count, request_streams, result, start_worker,
                                  submit, wait_results, wait_running)
 from worker import contract as c
+from worker.ops import Outputs, Publish, Start
 from worker.worker import Worker, WorkerConfig
 
 
@@ -257,15 +258,15 @@ def test_coalesced_steps_publish_one_merged_delta_per_request(r, redis_url):
     one = c.QueuedRequest(id="one", prompt_token_ids=[1], params={}, stream=True)
     flights = {req.id: InFlight(req, m.stream_key, b"1-0") for req in (m, one)}
     flights["m"].watched = True  # an async request publishes deltas only while an /events stream watches it
-    start = [op for req in (m, one) for op in (("start", flights[req.id]),
-                                                ("publish", c.out_channel(req.id), c.status_message(req.id, "running")))]
+    start = [op for req in (m, one) for op in (Start(flights[req.id]),
+                                                Publish(c.out_channel(req.id), c.status_message(req.id, "running")))]
     steps = [[out("m", 0, 11, "a"), out("m", 1, 21, "x"), out("one", 0, 5, "p")],
              [out("m", 1, 22, "y", True), out("m", 0, 12, "b"), out("one", 0, 6, "q")],
              [out("m", 0, 13, "c", True), out("one", 0, 7, "r")],
              [out("one", 0, 8, "s", True)]]
-    w.io._write([start] + [[("outputs", step, time.time())] for step in steps[:2]])  # two steps, one write
+    w.writer.write([start] + [[Outputs(step, time.time())] for step in steps[:2]])  # two steps, one write
     for step in steps[2:]:
-        w.io._write([[("outputs", step, time.time())]])
+        w.writer.write([[Outputs(step, time.time())]])
     got = {"m": [], "one": []}
     while (msg := pubsub.get_message(timeout=1)) is not None:
         if msg["type"] == "message":
@@ -315,12 +316,12 @@ def test_a_write_whose_connection_dropped_is_retried_and_its_deltas_sent_at_most
     r.xadd(req.stream_key, req.encode())
     r.xgroup_create(req.stream_key, c.GROUP, id="0")
     entry_id = r.xreadgroup(c.GROUP, "retry", {req.stream_key: ">"})[0][1][0][0]
-    w.io._write([[("start", InFlight(req, req.stream_key, entry_id)),
-                  ("publish", c.out_channel("x"), c.status_message("x", "running"))],
-                 [("outputs", [SequenceOutput("x", 0, [5], "a", None, False)], time.time())]])
+    w.writer.write([[Start(InFlight(req, req.stream_key, entry_id)),
+                     Publish(c.out_channel("x"), c.status_message("x", "running"))],
+                    [Outputs([SequenceOutput("x", 0, [5], "a", None, False)], time.time())]])
     assert r.client_kill_filter(_type="normal", skipme=True) >= 1  # the writer's connection
-    w.io._write([[("outputs", [SequenceOutput("x", 0, [6], "b", None, False)], time.time())],
-                 [("outputs", [SequenceOutput("x", 0, [7], "c", None, True, "length")], time.time())]])
+    w.writer.write([[Outputs([SequenceOutput("x", 0, [6], "b", None, False)], time.time())],
+                    [Outputs([SequenceOutput("x", 0, [7], "c", None, True, "length")], time.time())]])
     kinds, texts = [], []
     while (msg := pubsub.get_message(timeout=1)) is not None:
         if msg["type"] == "message":
@@ -331,3 +332,13 @@ def test_a_write_whose_connection_dropped_is_retried_and_its_deltas_sent_at_most
     assert result(r, "x").choices[0].text == "abc"  # the transaction was retried on a new connection
     assert any("retrying" in rec.getMessage() for rec in caplog.records)
     assert r.xlen(req.stream_key) == 0 and pending_count(r) == 0
+
+
+def test_the_writer_leaves_the_recorded_redis_state():
+    """Typed operations framed by hiredis leave exactly the keys, stream entries and published messages the
+    tuple-op writer with hand-written framing left on the same scripted run (tests/data/writer_state.json)."""
+    import json
+
+    from tests.writer_ops import OPS
+    from tests.writer_scenario import RECORDING, run_scenario
+    assert run_scenario(OPS) == json.loads(RECORDING.read_text())

@@ -1,9 +1,12 @@
-"""How the scenario builds the writer's operations (today: tuples)."""
+"""How the scenario builds the writer's operations: the typed ops of worker/ops.py (the recording was made with
+the tuples that came before them)."""
+
+from worker.ops import Command, End, Outputs, Publish, Start
 
 
 class OPS:
-    start = staticmethod(lambda flight: ("start", flight))
-    outputs = staticmethod(lambda outs, at: ("outputs", outs, at))
-    end = staticmethod(lambda flight, terminal: ("end", flight, terminal))
-    publish = staticmethod(lambda channel, data: ("publish", channel, data))
-    command = staticmethod(lambda *args: args)
+    start = Start
+    outputs = Outputs
+    end = End
+    publish = Publish
+    command = Command

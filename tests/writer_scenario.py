@@ -58,10 +58,10 @@ def scenario(r: redis.Redis, worker, ops) -> None:
     step3 = [out("plain", 0, 13, "c", True), out("multi", 0, 23, "z", True, logprobs=True),
              out("async", 0, 43, "o", True)]
     now = 2.0
-    worker.io._write([start, [ops.outputs(step1, now)]])
-    worker.io._write([[ops.outputs(step2, now)], [ops.end(flights["cut"], ("cancelled", "cancelled by the client",
+    worker.io.writer.write([start, [ops.outputs(step1, now)]])
+    worker.io.writer.write([[ops.outputs(step2, now)], [ops.end(flights["cut"], ("cancelled", "cancelled by the client",
                                                                            "cancelled"))]])
-    worker.io._write([[ops.outputs(step3, now), ops.command("XADD", c.STREAM_DEAD, "*", "reason", "test")]])
+    worker.io.writer.write([[ops.outputs(step3, now), ops.command("XADD", c.STREAM_DEAD, "*", "reason", "test")]])
 
 
 def state(r: redis.Redis, messages: list) -> dict:

@@ -30,6 +30,7 @@ from engine.report import publish
 from engine.sequence import SequenceOutput
 from worker import contract as c
 from worker.redis_server import RedisServer
+from worker.ops import Outputs
 from worker.worker import Worker, WorkerConfig
 
 
@@ -102,12 +103,10 @@ def listen(port: int, rids: list[str], ready, report) -> None:
     import hiredis
     import orjson
 
-    from worker.resp import command
-
     sock = socket.create_connection(("127.0.0.1", port))
     reader = hiredis.Reader()
     for i in range(0, len(rids), 256):
-        sock.sendall(command("SUBSCRIBE", *[c.out_channel(rid) for rid in rids[i:i + 256]]))
+        sock.sendall(hiredis.pack_command(("SUBSCRIBE", *[c.out_channel(rid) for rid in rids[i:i + 256]])))
     confirmed = 0
     while confirmed < len(rids):
         reader.feed(sock.recv(1 << 16))
@@ -170,14 +169,14 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
         pipe.execute()
         engine = NoComputeEngine(num_seqs, step_s)
         worker = Worker(engine, WorkerConfig(redis_url=server.url, name="bench"))
-        io = worker.io
+        io = worker.writer
         writes: list[tuple[int, float, float]] = []  # (steps, fold + encode s, round trip s) per write
-        encode, transact, steps_in = io._encode, io._transact, [0, 0.0]
+        encode, transact, steps_in = io.encode, io.transact, [0, 0.0]
 
         def timed_encode(batches):
             t0 = time.perf_counter()
             out = encode(batches)
-            steps_in[:] = sum(op[0] == "outputs" for ops in batches for op in ops), time.perf_counter() - t0
+            steps_in[:] = sum(isinstance(op, Outputs) for ops in batches for op in ops), time.perf_counter() - t0
             return out
 
         def timed_transact(*args):
@@ -185,7 +184,7 @@ def run(num_seqs: int, max_tokens: int, step_s: float) -> dict:
             transact(*args)
             writes.append((steps_in[0], steps_in[1], time.perf_counter() - t0))
 
-        io._encode, io._transact = timed_encode, timed_transact
+        io.encode, io.transact = timed_encode, timed_transact
         handover: list[float] = []
         starts: list[float] = []
         real_step = worker._step

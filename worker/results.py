@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from worker import contract as c
 from worker.contract import STATUS_COMPLETED, Choice, QueuedRequest, Result
-from worker.resp import bulk
 
 
 @dataclass(eq=False)  # identity semantics: compared and hashed per object
@@ -38,9 +37,8 @@ class InFlight:
         self.watched = False  # async (record_text) requests: an /events stream watches it (reader thread sets it)
         self.simple = (req.stream and req.n == 1 and not self.wants_logprobs and not self.wants_prompt_logprobs
                        and not req.record_text)
-        # read by the writer thread, encoded once here
-        self.channel_bulk = bulk(c.out_channel(req.id)) if req.stream else b""
-        self.publish_head = b"*3\r\n$7\r\nPUBLISH\r\n" + self.channel_bulk  # a PUBLISH up to its message
+        # read by the writer thread, made once here
+        self.channel = c.out_channel(req.id)
         self.delta_head = c.delta_head(req.id)
 
     @property

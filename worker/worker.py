@@ -23,7 +23,9 @@ from engine.engine import LLMEngine
 from engine.sequence import Request
 from worker import contract as c
 from worker.reader import OWNER_GONE, Incoming, ReaderConfig
-from worker.redis_io import CANCELLED, Op, RedisIO
+from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
+from worker.reader import CANCELLED
+from worker.redis_io import RedisIO
 from worker.results import InFlight
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,8 @@ class Worker:
         self.device = device
         self.model_name = model_name
         self.io = RedisIO(cfg.redis_url, cfg.name, ReaderConfig(), self._heartbeat)
-        self.io.end_ops = self._end_ops
+        self.writer = self.io.writer
+        self.writer.end_ops = self._end_ops
         self.reader = self.io.reader
         self.inflight: dict[str, InFlight] = {}
         self.started = time.time()
@@ -130,7 +133,7 @@ class Worker:
 
     def _shutdown(self) -> None:
         self.reader.reading = False
-        self.io.flush(timeout_s=10.0)
+        self.writer.flush(timeout_s=10.0)
         self._release_unfinished()
         self.io.stop()
         try:
@@ -151,7 +154,7 @@ class Worker:
 
     def _is_idle(self) -> bool:
         return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight
-                and self.io.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
+                and self.writer.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
 
     def _wait_for_input(self) -> None:
         try:
@@ -190,7 +193,7 @@ class Worker:
 
     def _accept_entry(self, item: Incoming) -> None:
         if item.fields is None:  # deleted from the stream: nothing left to do
-            self.io.submit([("xack_del", item.stream, item.entry_id)])
+            self.writer.submit([AckDelete(item.stream, item.entry_id)])
             return
         try:
             req = c.QueuedRequest.decode(item.fields)
@@ -200,7 +203,7 @@ class Worker:
         if item.has_result or req.id in self.inflight:
             log.info("duplicate delivery; already handled", extra={"request_id": req.id})
             if req.id not in self.inflight:
-                self.io.submit([("xack_del", item.stream, item.entry_id)])
+                self.writer.submit([AckDelete(item.stream, item.entry_id)])
             return
         if item.deliveries > self.cfg.max_deliveries:
             self._dead_letter(item, req.id, f"delivered {item.deliveries} times without finishing "
@@ -241,12 +244,12 @@ class Worker:
             return False
         self.inflight[req.id] = flight
         key = c.request_key(req.id)
-        ops: list[Op] = [("start", flight), ("HSET", key, "status", c.STATUS_RUNNING, "worker", self.cfg.name,
-                                             "started", time.time()),
-                         ("EXPIRE", key, c.REQUEST_RECORD_TTL_S)]
+        ops: list[Op] = [Start(flight), Command("HSET", key, "status", c.STATUS_RUNNING, "worker", self.cfg.name,
+                                                  "started", time.time()),
+                         Command("EXPIRE", key, c.REQUEST_RECORD_TTL_S)]
         if req.stream or req.record_text:
-            ops.append(("publish", c.out_channel(req.id), c.status_message(req.id, c.STATUS_RUNNING)))
-        self.io.submit(ops)
+            ops.append(Publish(c.out_channel(req.id), c.status_message(req.id, c.STATUS_RUNNING)))
+        self.writer.submit(ops)
         log.info("request running", extra={"request_id": req.id, "worker": self.cfg.name,
                                            "prompt_tokens": len(req.prompt_token_ids), "n": req.n})
         return True
@@ -287,7 +290,7 @@ class Worker:
         # The writer thread folds the outputs into their requests and encodes them; here only what the
         # loop itself needs: which requests the engine finished.
         if outputs:
-            self.io.submit([("outputs", outputs, time.time())])
+            self.writer.submit([Outputs(outputs, time.time())])
         inflight = self.inflight
         for out in outputs:
             if out.finished:
@@ -324,36 +327,35 @@ class Worker:
         key = c.request_key(result.id)
         log.info("request finished", extra={"request_id": result.id, "status": result.status,
                                             "completion_tokens": result.completion_tokens, "worker": self.cfg.name})
-        return [("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
-                ("HSET", key, "status", result.status, "finished", result.finished),
-                ("EXPIRE", key, c.REQUEST_RECORD_TTL_S),
-                ("PUBLISH", c.out_channel(result.id), c.final_message(result.id, data)),  # after the SET
-                ("xack_del", stream, entry_id)]
+        return [Command("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
+                Command("HSET", key, "status", result.status, "finished", result.finished),
+                Command("EXPIRE", key, c.REQUEST_RECORD_TTL_S),
+                Command("PUBLISH", c.out_channel(result.id), c.final_message(result.id, data)),  # after the SET
+                AckDelete(stream, entry_id)]
 
     def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
                          code: str, flight: InFlight | None = None) -> None:
         log.info("request ended", extra={"request_id": req.id, "status": status, "reason": message})
         if flight is not None:  # running: the writer writes the result once it folded in what was generated
-            self.io.submit([("end", flight, (status, message, code))])
+            self.writer.submit([End(flight, (status, message, code))])
             return
         result = c.error_result(req.id, status, message, code, worker=self.cfg.name, queued=req)
-        self.io.submit(self._final_ops(stream, entry_id, result))
+        self.writer.submit(self._final_ops(stream, entry_id, result))
 
     def _dead_letter(self, item: Incoming, rid: str | None, reason: str, req: c.QueuedRequest | None = None,
                      invalid: bool = False) -> None:
         """Record the entry in the dead-letter stream and fail its request (``invalid``: as the client's error)."""
         log.error("dead-lettering entry", extra={"request_id": rid, "stream": item.stream, "reason": reason})
-        ops: list[Op] = [("XADD", c.STREAM_DEAD, "MAXLEN", "~", c.DEAD_LETTER_MAXLEN, "*", "stream", item.stream,
-                          "entry_id", item.entry_id,
-                          "request_id", rid or "", "reason", reason,
-                          "data", (item.fields or {}).get(c.ENTRY_FIELD, b"")[:DEAD_LETTER_DATA_BYTES])]
-        self.io.submit(ops)
+        data = (item.fields or {}).get(c.ENTRY_FIELD, b"")[:DEAD_LETTER_DATA_BYTES]
+        ops: list[Op] = [Command("XADD", c.STREAM_DEAD, "MAXLEN", "~", c.DEAD_LETTER_MAXLEN, "*", "stream", item.stream,
+                                 "entry_id", item.entry_id, "request_id", rid or "", "reason", reason, "data", data)]
+        self.writer.submit(ops)
         if rid is None:
-            self.io.submit([("xack_del", item.stream, item.entry_id)])
+            self.writer.submit([AckDelete(item.stream, item.entry_id)])
             return
         result = c.error_result(rid, c.STATUS_FAILED, reason, "invalid_request" if invalid else "dead_letter",
                                 worker=self.cfg.name, queued=req, err_type="invalid_request_error" if invalid else None)
-        self.io.submit(self._final_ops(item.stream, item.entry_id, result))
+        self.writer.submit(self._final_ops(item.stream, item.entry_id, result))
 
     # -- a step that raised ----------------------------------------------------------
 
@@ -363,14 +365,14 @@ class Worker:
             culprit = self.inflight.pop(self._under_test)
             log.exception("request made the engine fail", extra={"request_id": culprit.id})
             self.engine.abort(culprit.id)
-            self.io.submit([("end", culprit, None)])
+            self.writer.submit([End(culprit, None)])
             self._dead_letter(Incoming(culprit.stream, culprit.entry_id, None, 0), culprit.id,
                               f"the engine failed on this request: {error!r}", culprit.request)
         else:
             log.exception("engine step failed; isolating its requests",
                           extra={"worker": self.cfg.name, "requests": len(self.inflight)})
         self._under_test = None
-        self.io.flush()  # the writer has folded in every output so far: what each request has published
+        self.writer.flush()  # the writer has folded in every output so far: what each request has published
         for rid, flight in list(self.inflight.items()):
             self.engine.abort(rid)
             flight.suppress_tokens = max(len(ch.token_ids) for ch in flight.choices)
