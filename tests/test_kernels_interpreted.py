@@ -17,3 +17,11 @@ def test_triton_kernels_match_torch_twins_under_the_interpreter():
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "kernel checks passed" in proc.stdout
+
+
+def test_sampling_kernel_matches_torch_twin_under_the_interpreter():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, "-m", "tests.sampling_check"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "sampling checks passed" in proc.stdout
