@@ -384,8 +384,9 @@ class Sampler:
     def _write_params(self, slot: int, params: SamplingParams, seed: int, num_bias: int, num_ban: int) -> None:
         """One copy per table. 1 / temperature and log(min_p) are rounded once, here, for both paths."""
         t = params.temperature
-        inv_t = torch.tensor(1.0) / torch.tensor(t if t > 0.0 else 1.0)  # float32 division; greedy rows: 1
-        log_min_p = torch.log(torch.tensor(params.min_p, dtype=torch.float32))  # -inf for 0: no floor
+        f32 = dict(dtype=torch.float32)
+        inv_t = torch.tensor(1.0, **f32) / torch.tensor(t if t > 0.0 else 1.0, **f32)  # greedy rows: 1
+        log_min_p = torch.log(torch.tensor(params.min_p, **f32))  # -inf for 0: no floor
         self._fparams[slot] = torch.tensor(
             [t, params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
              params.repetition_penalty, float(inv_t), float(log_min_p)], dtype=torch.float32)
@@ -454,9 +455,8 @@ class Sampler:
         f = self._features()
         if self._kernel is not None:
             from engine.cuda.sampling import sample_rows
-            out = sample_rows(logits, slots, self.tables, f, self._kernel)
-        else:
-            out = torch_sample(logits, slots, self.tables, f)
+            return sample_rows(logits, slots, self.tables, f, self._kernel, record=True)
+        out = torch_sample(logits, slots, self.tables, f)
         self._record(slots, out.tokens)
         return out
 

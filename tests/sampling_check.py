@@ -73,12 +73,27 @@ def check_same_as_twin(vocab: int, kind: str, steps: int) -> None:
         sampler._record(slots, want.tokens)
 
 
+def check_recording(vocab: int = 1000) -> None:
+    """The kernel advancing the counters and penalty counts itself == the torch path's recording."""
+    fast, slow = admit(vocab, MIXES), admit(vocab, MIXES)
+    slow._kernel = None
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        logits, slots = torch.randn(len(MIXES), vocab, generator=gen), torch.randperm(len(MIXES), generator=gen)
+        got, want = fast.sample(logits, slots), slow.sample(logits, slots)
+        assert got.token_ids == want.token_ids
+        assert all(math.isclose(a, b, abs_tol=1e-5) or math.isnan(a) and math.isnan(b)
+                   for a, b in zip(got.logprobs, want.logprobs))
+        assert [len(t) for t in got.top_logprobs] == [len(t) for t in want.top_logprobs]
+    assert torch.equal(fast._generated, slow._generated) and torch.equal(fast.output_counts, slow.output_counts)
+
+
 def check_batch_invariance(vocab: int = 1000) -> None:
     """One sequence's tokens alone, among neighbours, at other rows and batch sizes, and with programs
     looping over several rows each: always the same."""
     target = P(temperature=0.9, top_p=0.7, top_k=300)
     gen = torch.Generator().manual_seed(3)
-    seq = [torch.randn(vocab, generator=gen) * 2 for _ in range(3)]
+    seq = [torch.randn(vocab, generator=gen) * 2 for _ in range(2)]
     runs = []
     for batch in (1, 5, 11):
         params = [target] + MIXES[:batch - 1]
@@ -106,9 +121,10 @@ def check_warm_up() -> None:
 if __name__ == "__main__":
     check_hash()
     for kind in ROWS:
-        check_same_as_twin(1000, kind, steps=2)
-    check_same_as_twin(4096, "flat", steps=2)
+        check_same_as_twin(1000, kind, steps=1 if kind == "all equal" else 2)
+    check_same_as_twin(4096, "flat", steps=1)
     check_same_as_twin(4096, "peaked", steps=1)
+    check_recording()
     check_batch_invariance()
     check_warm_up()
     print("sampling checks passed")

@@ -320,6 +320,23 @@ def test_cuda_sampler_is_deterministic_and_batch_invariant():
     assert len(set(seen)) == 1, seen
 
 
+def test_sample_device_never_synchronises():
+    """The step loop may queue the sampler behind the model: sample_device must not wait for the device."""
+    params = sampler_mixes() * 4
+    sampler = admitted_sampler(params)
+    logits = torch.randn(len(params), 65536, device=DEVICE)
+    slots = torch.arange(len(params), device=DEVICE)
+    sampler.sample_device(logits, slots)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = sampler.sample_device(logits, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out.to_host().token_ids == out.tokens.tolist()
+
+
 def test_sampler_warm_up_leaves_nothing_to_compile(monkeypatch):
     """After warm_up no step compiles a Triton kernel, whatever the mix, batch size or table widths."""
     import triton

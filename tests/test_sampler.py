@@ -559,7 +559,8 @@ def test_banned_and_masked_tokens_never_drawn_in_a_wide_row() -> None:
 
 def test_sample_device_leaves_results_on_the_device_and_records() -> None:
     """sample_device + to_host == sample (one transfer), and the counters advance on the device."""
-    admitted = {0: SamplingParams(temperature=0.0, logprobs=3), 2: SamplingParams(temperature=1.0, frequency_penalty=1.0)}
+    admitted = {0: SamplingParams(temperature=0.0, logprobs=3),
+                2: SamplingParams(temperature=1.0, frequency_penalty=1.0)}
     sampler, twin = Sampler(3, 50), Sampler(3, 50)
     for s in (sampler, twin):
         for slot, p in admitted.items():

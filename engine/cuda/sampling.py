@@ -1,45 +1,43 @@
 """Token sampling in one persistent Triton kernel (``sample_rows``) with its plain-torch twin.
 
-Same semantics as ``engine.sampler`` (its module doc), same counter-hash noise, same token: the answer is
-the exponential race's winner among the kept tokens, ``argmax(s_i - log E_i)`` over ``{i : s_i >= tau}``,
-and the kernel finds that set without sorting the vocabulary. A program owns one row at a time (about two
-programs per SM loop over the rows, so a row's later passes find it in L2). Per row:
+Same semantics as ``engine.sampler`` (its module doc), same counter-hash noise, same token: the exponential
+race's winner ``argmax(s_i - log E_i)`` over the kept tokens ``{i : s_i >= tau}``; the kernel finds that set
+without sorting the vocabulary. One program per SM loops over the rows, a row at a time, so a row's later
+passes find it in L2 (132 rows × 256 KB in flight: 34 MB of the H200's 50 MB). Per row:
 
-1. rows with logit_bias, an active min_tokens ban or penalties: the processed row times 1 / temperature
-   goes to the program's scratch row (penalties read the slot's dense counts; the sparse bias and ban
-   entries are then rewritten from their raw logits) and the later passes read it from there.
-2. the stats pass: max and greedy argmax, count / mean / std / min of the finite values, the raw
-   log-sum-exp and the top-k raw logprobs when asked, and, for rows without top_k, the race over all tokens
-   (its winner ``w``). Greedy and plain rows are done here: one pass.
-3. min_p / top_k / top_p rows: ``kept(t) = #{s > t} < top_k and mass{s > t} < top_p * Z`` is true exactly
-   for the values the sorted rule keeps (ties at the threshold kept), and it is monotone in t. Probe
-   passes evaluate it at 8 values at once (counts and masses of what lies above each) and narrow a bracket
-   ``(lo, hi]``: everything <= lo is dropped, everything > hi kept. The first probe pass also measures
-   lo itself (the min_p floor: Z over what min_p keeps) and the race winner's value: when ``w`` is kept it
-   is the answer (p ~ top_p of the rows), with no more passes. Probes sit around a Gaussian guess (first
-   pass) or the linear interpolation of the count / mass crossing (later passes), plus even splits, so a
-   bracket shrinks fast on smooth rows and always shrinks.
-4. once at most ``cap`` values lie in the bracket (or all of what lies above lo: then top_k's own mass, the
-   normaliser top_p needs after top_k, is there too), one pass copies them to the program's band buffer
-   and races the sure ones (> hi); the band is sorted (``cap`` values), tau read off its cumulative counts
-   and masses exactly as the sorted rule does, and the kept band tokens join the race.
+1. rows with logit_bias, an active min_tokens ban or penalties: the processed row times 1 / temperature goes
+   to the program's scratch row (penalties read the slot's dense counts; the sparse bias and ban entries are
+   then rewritten from their raw logits: nothing matches ids against ids); later passes read it there.
+2. the stats pass: max and greedy argmax, count / mean / std / min of the finite values, raw log-sum-exp and
+   top-k raw logprobs when asked, and for rows without top_k the race over every token (winner ``w``).
+   Greedy and plain-temperature rows end here: one pass.
+3. the threshold: ``kept(t) = #{s > t} < top_k and mass{s > t} < top_p * Z`` holds exactly for the values
+   the sorted rule keeps (ties at the threshold kept) and is monotone in t. A probe pass evaluates it at up
+   to 8 values at once and narrows a bracket ``(lo, hi]`` (<= lo dropped, > hi kept); probes go around a
+   Gaussian guess, then the interpolated crossing, plus even splits, so a bracket always shrinks.
+   top_p rows first test ``w`` (2 probes: lo, min_p's floor, gives Z; and w's value): a kept ``w`` is the
+   answer (p ~ top_p of rows) and the row is done after 2 passes. min_p alone: ``w`` unless under the floor.
+4. when at most ``cap`` values lie in the bracket (or above lo: then top_k's own mass, the Z top_p needs
+   after top_k, is there too), one pass copies them to the program's band buffer and races the values above
+   hi; the band is sorted, tau read off its cumulative counts and masses as the sorted rule reads them, and
+   its kept tokens join the race.
 
-Cost, H200 at vocabulary 65,536 (268 MB of logits at batch 1,024, ~0.07 ms a read): greedy and plain
-temperature 1 rows one pass; min_p two; top_p ~2 (stats with race, one probe pass; ~10% of rows two more);
-top_k <= 512 three (stats, a probe pass, the copy of the ~1e2-1e3 largest values; no noise over the row);
-penalties one pass more (the scratch row). The race costs ~65 instructions a token (two 32-bit hashes,
-two logs), so the pass that races every token is the one compute-bound pass. Measured numbers belong in
-BENCHMARKS.md (``python -m engine.bench``).
+Passes over a row at vocabulary 65,536, flat (σ=1) / peaked (σ=6) logits, counted under the interpreter:
+greedy, T=1 and logprobs 1; penalties 2; min_p 1.6 / 1; top_p 0.9 2.4 / 2; top_k 50 3. A pass reads 256 KB
+a row (268 MB at batch 1,024, ~0.07 ms from HBM); what costs more than reading is arithmetic a value: the
+race's noise (two 32-bit hashes, and two logs where a chunk can still change the winner: ~5 of 32 chunks),
+8 probes (~40 instructions), and barriers: every reduction to a scalar inside a chunk loop is a block-wide
+one, so passes accumulate lane by lane and reduce once. Measured numbers belong in BENCHMARKS.md
+(``python -m engine.bench --sampler-only``).
 
-A row's arithmetic depends only on its own values and on the configuration, which depends only on the
-vocabulary size (``config_for``): never on the batch size, its row index or its program, so tokens are
-batch-invariant. Exact ties between two race keys go to the lower position, where the twin (torch's
-argmax over the candidates) may pick another: a probability-zero event for continuous noise.
+A row's arithmetic depends only on its values and on the configuration, which depends only on the vocabulary
+size (``config_for``): not on the batch size, its row or its program, so tokens are batch-invariant. Exact
+ties between two race keys go to the lower id, where the twin (torch's argmax over its candidates) may pick
+the other: a probability-zero event for continuous noise.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,10 +80,9 @@ STAGES = tl.constexpr(3)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Fixed per vocabulary size, never per batch (a row's sums must not depend on its batch).
-    ``block``: values per chunk in every pass; ``cap``: band buffer size (the sort at the end of a
-    threshold search); ``programs_per_sm``: the persistent grid (two rows in flight per SM: 34 MB for
-    132 SMs, inside the H200's 50 MB L2)."""
+    """Fixed per vocabulary size, never per batch (a row's sums must not depend on its batch): ``block``
+    values a chunk in every pass, ``cap`` the band buffer (sorted at the end of a threshold search), and the
+    persistent grid, ``programs_per_sm`` programs of ``num_warps`` warps on each SM."""
     block: int
     cap: int
     num_warps: int
@@ -95,7 +92,8 @@ class KernelConfig:
 def config_for(vocab_size: int) -> KernelConfig:
     if vocab_size <= 8192:  # tests and small models: several chunks and a small band, to exercise both
         return KernelConfig(block=256, cap=64, num_warps=4)
-    # 16 warps: 115 registers a thread (8 warps needed 170: one program per SM either way), no spills
+    # 16 warps of 128 registers fill an SM's register file (8 warps took 170 a thread: one program an SM
+    # either way); a chunk is 4 values a thread, cap 1,024 keeps the band's sort a few microseconds
     return KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
 
 
@@ -123,23 +121,34 @@ def _element_hash(row_key, ids):
 
 
 @triton.jit
-def _neg_log_noise(h):
-    """-log E with E = -log1p(-v), v = (h + 0.5) / 2**32 (engine.sampler.exponential_noise); log1p by
-    Goldberg's u = 1 - v trick (no libdevice under the interpreter), exact to a few ulps."""
-    v = tl.minimum((h.to(tl.float32) + 0.5) * 2.3283064365386963e-10, V_MAX)
+def _uniform(h):
+    """v = (h + 0.5) / 2**32 in (0, 1), as engine.sampler.exponential_noise rounds it."""
+    return tl.minimum((h.to(tl.float32) + 0.5) * 2.3283064365386963e-10, V_MAX)
+
+
+@triton.jit
+def _neg_log_noise(v):
+    """-log E with E = -log1p(-v); log1p by Goldberg's u = 1 - v trick (no libdevice under the
+    interpreter), exact to a few ulps."""
     u = 1.0 - v
     e = tl.where(u == 1.0, v, v * (tl.log(u) / (u - 1.0)))
     return -tl.log(e)
 
 
 @triton.jit
-def _race_chunk(s, offs, keep, row_key, best_key, best_id):
-    """Fold a chunk into the running race: argmax of s - log E over ``keep``, ties to the lower id."""
-    key = tl.where(keep, s + _neg_log_noise(_element_hash(row_key, offs)), float("-inf"))
-    c_key, c_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
-    c_id = tl.min(tl.where(tl.arange(0, s.shape[0]) == c_pos, offs, 2 ** 31 - 1), 0)
-    better = c_key > best_key
-    return tl.where(better, c_key, best_key), tl.where(better, c_id, best_id)
+def _race_chunk(s, start, keep, row_key, best_key, best_id):
+    """Fold the chunk at ``start`` into the running race: argmax of s - log E over ``keep``, ties to the
+    lower id. A value beats best_key only if E < e^(s - best_key), and E >= v: a chunk where no v passes
+    that (0.1% to spare for rounding) cannot change the race and skips the two logs a value (after the
+    first few chunks most do)."""
+    v = _uniform(_element_hash(row_key, start + tl.arange(0, s.shape[0])))
+    if tl.sum((keep & (v < tl.exp(s - best_key) * 1.001)).to(tl.int32), 0) > 0:
+        key = tl.where(keep, s + _neg_log_noise(v), float("-inf"))
+        c_key, c_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+        better = c_key > best_key
+        best_key = tl.where(better, c_key, best_key)
+        best_id = tl.where(better, start + c_pos, best_id)
+    return best_key, best_id
 
 
 @triton.jit
@@ -148,7 +157,7 @@ def _hash_kernel(keys, counters, out_h, out_noise, V, BLOCK: tl.constexpr):
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     h = _element_hash(_row_key(tl.load(keys + row), tl.load(counters + row)), offs)
     tl.store(out_h + row * V + offs, h.to(tl.int64), mask=offs < V)
-    tl.store(out_noise + row * V + offs, -_neg_log_noise(h), mask=offs < V)
+    tl.store(out_noise + row * V + offs, -_neg_log_noise(_uniform(h)), mask=offs < V)
 
 
 def counter_hash_rows(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, ...]:
@@ -212,70 +221,77 @@ def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
 
 
 @triton.jit
-def _top_insert(x, offs, top_v, top_i):
-    """Insert the chunk's values above the running k-th best into the unsorted top buffer (slots past k
-    hold +inf, so they are never the minimum). Each round moves one value: few rounds after the first
-    chunks, since a value must beat the best k seen so far."""
+def _top_insert(x, start, top_v, top_i):
+    """Move the chunk's values above the running k-th best into the unsorted top buffer, largest first
+    (slots past k hold +inf, never the minimum). A value must beat the best k seen so far: after the first
+    chunk about k / (chunks so far) of them do, so the loop runs ~3k times a row in all."""
     slot_ids = tl.arange(0, TOP_LOGPROBS)
+    lanes = tl.arange(0, x.shape[0])
     theta = tl.min(top_v, 0)
-    cand = x > theta
-    n = tl.sum(cand.to(tl.int32), 0)
-    while n > 0:
-        v, pos = tl.max(tl.where(cand, x, float("-inf")), 0, return_indices=True,
-                        return_indices_tie_break_left=True)
-        new_id = tl.min(tl.where(tl.arange(0, x.shape[0]) == pos, offs, 2 ** 31 - 1), 0)
+    v, pos = tl.max(tl.where(x > theta, x, float("-inf")), 0, return_indices=True,
+                    return_indices_tie_break_left=True)
+    while v > theta:
         # replace the minimum; among equal minima the highest id (lower ids first, as the first maximum)
         slot = tl.argmax(tl.where(top_v == theta, top_i, -1), 0)
         top_v = tl.where(slot_ids == slot, v, top_v)
-        top_i = tl.where(slot_ids == slot, new_id, top_i)
+        top_i = tl.where(slot_ids == slot, start + pos, top_i)
+        x = tl.where(lanes == pos, float("-inf"), x)
         theta = tl.min(top_v, 0)
-        cand = cand & (x > theta) & (offs != new_id)
-        n = tl.sum(cand.to(tl.int32), 0)
+        v, pos = tl.max(tl.where(x > theta, x, float("-inf")), 0, return_indices=True,
+                        return_indices_tie_break_left=True)
     return top_v, top_i
+
+
+@triton.jit
+def _raw_lse_chunk(x, m, z):
+    """Lane-wise online log-sum-exp (one exp a value): running max ``m`` and sum ``z`` of e^(x - m)."""
+    d = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
+    z = tl.where(x > m, z * d + 1.0, z + d)
+    return tl.maximum(m, x), z
 
 
 @triton.jit
 def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``), the raw
-    log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``)."""
-    m = float("-inf")
-    arg = 0
-    n_fin = 0
-    s1 = 0.0
-    s2 = 0.0
-    s_min = float("inf")
+    log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``). Accumulated lane by lane and reduced once:
+    a reduction inside the loop is a block-wide barrier per chunk (only the race's skip test has one)."""
+    lanes = tl.arange(0, BLOCK)
+    m_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    arg_l = tl.zeros([BLOCK], tl.int32)
+    n_l = tl.zeros([BLOCK], tl.int32)
+    s1_l = tl.zeros([BLOCK], tl.float32)
+    s2_l = tl.zeros([BLOCK], tl.float32)
+    min_l = tl.full([BLOCK], float("inf"), tl.float32)
+    mr_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    zr_l = tl.zeros([BLOCK], tl.float32)
     w_key = float("-inf")
     w_id = 0
-    m_raw = float("-inf")
-    z_raw = 0.0
-    slot_ids = tl.arange(0, TOP_LOGPROBS)
-    top_v = tl.where(slot_ids < lp_k, float("-inf"), float("inf"))
+    top_v = tl.where(tl.arange(0, TOP_LOGPROBS) < lp_k, float("-inf"), float("inf"))
     top_i = tl.zeros([TOP_LOGPROBS], tl.int32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        s = _load_scaled(src, offs, V, scale)
-        c_max, c_pos = tl.max(s, 0, return_indices=True, return_indices_tie_break_left=True)
-        arg = tl.where(c_max > m, start + c_pos, arg)
-        m = tl.maximum(m, c_max)
+        s = _load_scaled(src, start + lanes, V, scale)
+        arg_l = tl.where(s > m_l, start + lanes, arg_l)  # a lane keeps its first maximum
+        m_l = tl.maximum(m_l, s)
         fin = s > float("-inf")
-        n_fin += tl.sum(fin.to(tl.int32), 0)
-        s1 += tl.sum(tl.where(fin, s, 0.0), 0)
-        s2 += tl.sum(tl.where(fin, s * s, 0.0), 0)
-        s_min = tl.minimum(s_min, tl.min(tl.where(fin, s, float("inf")), 0))
+        n_l += fin.to(tl.int32)
+        s1_l += tl.where(fin, s, 0.0)
+        s2_l += tl.where(fin, s * s, 0.0)
+        min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
-            w_key, w_id = _race_chunk(s, offs, fin, row_key, w_key, w_id)
+            w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
         if lp_k >= 0:
-            x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
-            c_raw = tl.maximum(m_raw, tl.max(x, 0))
-            alpha = tl.where(m_raw == c_raw, 1.0, tl.exp(m_raw - c_raw))
-            z_raw = z_raw * alpha + tl.sum(tl.where(x > float("-inf"), tl.exp(x - c_raw), 0.0), 0)
-            m_raw = c_raw
+            x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
+            mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
             if lp_k > 0:
-                top_v, top_i = _top_insert(x, offs, top_v, top_i)
-    mean = s1 / tl.maximum(n_fin, 1)
-    std = tl.sqrt(tl.maximum(s2 / tl.maximum(n_fin, 1) - mean * mean, 0.0))
-    lse = m_raw + tl.log(z_raw)
-    return m, arg, n_fin, mean, std, s_min, w_key, w_id, lse, top_v, top_i
+                top_v, top_i = _top_insert(x, start, top_v, top_i)
+    m = tl.max(m_l, 0)
+    n_fin = tl.sum(n_l, 0)
+    mean = tl.sum(s1_l, 0) / tl.maximum(n_fin, 1)
+    std = tl.sqrt(tl.maximum(tl.sum(s2_l, 0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
+    m_raw = tl.max(mr_l, 0)
+    z_raw = tl.sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
+    arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
+    return m, arg, n_fin, mean, std, tl.min(min_l, 0), w_id, m_raw + tl.log(z_raw), top_v, top_i
 
 
 # ------------------------------------------------------------------------ threshold search
@@ -318,19 +334,20 @@ def _gaussian_guess(mean, std, n_fin, k, top_p):
 
 
 @triton.jit
-def _interpolate(lo, hi, cl, ml, ch, mh, k, pz):
-    """The count / mass crossing inside (lo, hi], linearly interpolated between the bracket's ends."""
+def _interpolate(lo, hi, s_min, cl, ml, ch, mh, k, pz):
+    """The count / mass crossing inside (lo, hi], linearly interpolated between the bracket's ends (an
+    open lower end starts at the row's smallest finite value)."""
+    base = tl.where(lo == float("-inf"), s_min, lo)
     fk = tl.where(cl >= k, (cl - k + 1).to(tl.float32) / tl.maximum(cl - ch, 1).to(tl.float32), 0.0)
     fp = tl.where(ml >= pz, (ml - pz) / tl.maximum(ml - mh, 1e-30), 0.0)
-    return lo + tl.minimum(tl.maximum(fk, fp), 1.0) * (hi - lo)
+    return base + tl.minimum(tl.maximum(fk, fp), 1.0) * (hi - base)
 
 
 @triton.jit
-def _place_probes(lo, hi, s_min, guess, first, s_w):
+def _place_probes(lo, hi, s_min, guess, first):
     """Eight probe values strictly inside (lo, hi): four around the guess (±1/64, ±1/16 of the bracket),
     a quarter, half and three quarters across, and the middle of its float ordering (progress even in a
-    bracket a few ulps wide). On the first pass probe 0 is lo itself (what min_p keeps: Z) and probe 1 the
-    race winner's value (is it kept?)."""
+    bracket a few ulps wide). On the first pass probe 0 is lo itself: what min_p keeps, Z."""
     j = tl.arange(0, NUM_PROBES)
     base = tl.where(lo == float("-inf"), s_min, lo)
     w = hi - base
@@ -342,24 +359,23 @@ def _place_probes(lo, hi, s_min, guess, first, s_w):
     ohi = _ordered(hi).to(tl.int64)
     o = tl.where(j == 7, (olo + ohi) // 2, _ordered(t).to(tl.int64))
     o = tl.minimum(tl.maximum(o, olo + 1), ohi - 1)
-    probes = _from_ordered(o.to(tl.int32))
-    probes = tl.where(first & (j == 0), lo, probes)
-    return tl.where(first & (j == 1), tl.maximum(s_w, lo), probes)
+    return tl.where(first & (j == 0), lo, _from_ordered(o.to(tl.int32)))
 
 
 @triton.jit
 def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr):
-    """#{s > t} and the mass sum(e^(s - m)) over s > t for each probe t: one read of the row."""
-    cnt = tl.zeros([NUM_PROBES], tl.int32)
-    mass = tl.zeros([NUM_PROBES], tl.float32)
-    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        s = _load_scaled(src, offs, V, scale)
+    """#{s > t} and the mass sum(e^(s - m)) over s > t for each probe t: one read of the row, counted lane
+    by lane ([probes, BLOCK / 2] accumulators: registers) and reduced once."""
+    HALF: tl.constexpr = BLOCK // 2
+    cnt = tl.zeros([probes.shape[0], HALF], tl.int32)
+    mass = tl.zeros([probes.shape[0], HALF], tl.float32)
+    for start in tl.range(0, V, HALF, num_stages=STAGES):
+        s = _load_scaled(src, start + tl.arange(0, HALF), V, scale)
         e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
         above = s[None, :] > probes[:, None]
-        cnt += tl.sum(above.to(tl.int32), 1)
-        mass += tl.sum(tl.where(above, e[None, :], 0.0), 1)
-    return cnt, mass
+        cnt += above.to(tl.int32)
+        mass += tl.where(above, e[None, :], 0.0)
+    return tl.sum(cnt, 1), tl.sum(mass, 1)
 
 
 @triton.jit
@@ -387,13 +403,15 @@ def _span(lo, hi):
 
 
 @triton.jit
-def _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Probe passes until at most CAP values lie in (lo, hi], or the bracket holds a single float."""
+def _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, guess, CAP: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Probe passes until at most CAP values lie in (lo, hi], or the bracket holds a single float. The first
+    probes go around ``guess``, later ones around the interpolated crossing."""
     while (cl - ch > CAP) & (_span(lo, hi) > 1):
-        guess = _interpolate(lo, hi, cl, ml, ch, mh, k, pz)
-        probes = _place_probes(lo, hi, s_min, guess, False, 0.0)
+        probes = _place_probes(lo, hi, s_min, guess, False)
         cnt, mass = _probe_pass(src, scale, V, m, probes, BLOCK)
         lo, hi, cl, ml, ch, mh = _narrow(probes, cnt, mass, _keeps(cnt, mass, k, pz), lo, hi, cl, ml, ch, mh)
+        guess = _interpolate(lo, hi, s_min, cl, ml, ch, mh, k, pz)
     return lo, hi, cl, ml, ch, mh
 
 
@@ -402,7 +420,8 @@ def _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, CAP: tl.cons
 @triton.jit
 def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Copy the values in (lo, hi] and their ids to the band buffer (at most CAP) and, when ``race_sure``,
-    race the values above hi (chunks with none skip the noise)."""
+    race the values above hi (chunks with none skip the noise). A chunk costs a count (a block-wide
+    reduction), and a scan where it has band values."""
     tl.debug_barrier()  # the band's previous readers are done
     nb = 0
     w_key = float("-inf")
@@ -418,8 +437,7 @@ def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.
             tl.store(band_i + pos, offs, mask=inside & (pos < CAP))
             nb += n
         if race_sure:
-            if tl.max(s, 0) > hi:
-                w_key, w_id = _race_chunk(s, offs, s > hi, row_key, w_key, w_id)
+            w_key, w_id = _race_chunk(s, start, s > hi, row_key, w_key, w_id)
     tl.debug_barrier()
     return tl.minimum(nb, CAP), w_key, w_id
 
@@ -464,7 +482,8 @@ def _band_race(band_v, band_i, nb, tau, row_key, w_key, w_id, CAP: tl.constexpr)
     j = tl.arange(0, CAP)
     v = tl.load(band_v + j, mask=j < nb, other=float("-inf"))
     ids = tl.load(band_i + j, mask=j < nb, other=0)
-    key = tl.where((j < nb) & (v >= tau), v + _neg_log_noise(_element_hash(row_key, ids)), float("-inf"))
+    noise = _neg_log_noise(_uniform(_element_hash(row_key, ids)))
+    key = tl.where((j < nb) & (v >= tau), v + noise, float("-inf"))
     b_key, b_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
     b_id = tl.sum(tl.where(j == b_pos, ids, 0), 0)
     better = (b_key > w_key) | ((b_key == w_key) & (b_id < w_id) & (b_key > float("-inf")))
@@ -505,52 +524,75 @@ def _top_k_mass(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, row_key, band_v, ba
 
 
 @triton.jit
-def _threshold_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, s_w, row_key, k, top_p, lo,
-                     band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """top_k / top_p (min_p in lo): the first probe pass measures lo and the race winner's value ``s_w``
-    (k == 0 only: the winner over all tokens is the answer when it is kept), then search and resolve."""
-    speculate = k == 0
-    k = tl.where(k > 0, k, NO_LIMIT)
-    probes = _place_probes(lo, m, s_min, _gaussian_guess(mean, std, n_fin, k, top_p), True, s_w)
+def _pick(x, i):
+    return tl.sum(tl.where(tl.arange(0, x.shape[0]) == i, x, 0), 0)
+
+
+@triton.jit
+def _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, band_v, band_i,
+                 CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """top_p without top_k (min_p in lo): one pass over two probes measures lo (Z: what min_p keeps) and the
+    race winner's value; the winner over all tokens is the answer when it is kept (most rows), else search."""
+    pair = tl.where(tl.arange(0, 2) == 0, lo, tl.maximum(s_w, lo))
+    cnt, mass = _probe_pass(src, scale, V, m, pair, BLOCK)
+    cl = _pick(cnt, 0)
+    z = _pick(mass, 0)
+    pz = top_p * z
+    k = tl.full((), NO_LIMIT, tl.int32)
+    token = w_id
+    if (s_w <= lo) | (_keeps(_pick(cnt, 1), _pick(mass, 1), k, pz) == 0):
+        guess = _gaussian_guess(mean, std, cl, k, top_p)
+        lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, z, cl * 0, z * 0.0, k, pz, guess,
+                                         CAP, BLOCK)
+        token = _resolve(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, top_p, z, row_key, band_v, band_i, CAP, BLOCK)
+    return token
+
+
+@triton.jit
+def _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, lo, band_v, band_i,
+                 CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """top_k (then top_p; min_p in lo): the first probe pass measures lo itself (what min_p keeps), the rest
+    search for the k-th value; with top_p, Z is top_k's own mass, read off the band (or found first when
+    more than CAP values lie above the bracket)."""
+    probes = _place_probes(lo, m, s_min, _gaussian_guess(mean, std, n_fin, k, top_p), True)
     cnt, mass = _probe_pass(src, scale, V, m, probes, BLOCK)
-    j = tl.arange(0, NUM_PROBES)
-    cl = tl.sum(tl.where(j == 0, cnt, 0), 0)
-    ml = tl.sum(tl.where(j == 0, mass, 0.0), 0)
+    cl = _pick(cnt, 0)
+    ml = _pick(mass, 0)
     k = tl.where(k < cl, k, NO_LIMIT)  # top_k at or above what min_p leaves: off
     z = tl.where((k == NO_LIMIT) | (top_p >= 1.0), ml, -1.0)  # < 0: top_k's own mass, found below
     pz = tl.where((top_p >= 1.0) | (z < 0.0), float("inf"), top_p * z)
     kept = _keeps(cnt, mass, k, pz)
-    token = w_id
-    winner_kept = speculate & (s_w > lo) & (tl.sum(tl.where(j == 1, kept.to(tl.int32), 0), 0) > 0)
-    if winner_kept == 0:
-        lo, hi, cl, ml, ch, mh = _narrow(probes, cnt, mass, kept, lo, m, cl, ml, 0, 0.0)
-        lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, CAP, BLOCK)
-        if (z < 0.0) & (cl > CAP):
-            lo, cl, ml, z = _top_k_mass(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, row_key, band_v, band_i,
-                                        CAP, BLOCK)
-            pz = top_p * z
-            lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, ml, cl * 0, ml * 0.0, k, pz,
-                                             CAP, BLOCK)
-        token = _resolve(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, top_p, z, row_key, band_v, band_i,
-                         CAP, BLOCK)
-    return token
+    lo, hi, cl, ml, ch, mh = _narrow(probes, cnt, mass, kept, lo, m, cl, ml, 0, 0.0)
+    guess = _interpolate(lo, hi, s_min, cl, ml, ch, mh, k, pz)
+    lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, guess, CAP, BLOCK)
+    if (z < 0.0) & (cl > CAP):
+        lo, cl, ml, z = _top_k_mass(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, row_key, band_v, band_i,
+                                    CAP, BLOCK)
+        pz = top_p * z
+        guess = _interpolate(lo, m, s_min, cl, ml, 0, 0.0, k, pz)
+        lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, ml, cl * 0, ml * 0.0, k, pz, guess,
+                                         CAP, BLOCK)
+    return _resolve(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, top_p, z, row_key, band_v, band_i, CAP, BLOCK)
 
 
 @triton.jit
 def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p, log_min_p,
                     band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """min_p keeps s >= max + log(min_p): lo, just below that floor. ``w_id`` races over all (k == 0)."""
+    """min_p keeps s >= max + log(min_p): lo, just below that floor. ``w_id`` raced over all (k == 0)."""
     lo = float("-inf")
     if log_min_p > float("-inf"):
         lo = _prev(m + log_min_p)
-    s_w = tl.load(src + w_id) * scale
     token = w_id
-    if (k == 0) & (top_p >= 1.0):  # min_p alone: the winner unless it fell under the floor
-        if s_w <= lo:
-            nb, w_key, token = _compact(src, scale, V, lo, lo, row_key, True, band_v, band_i, CAP, BLOCK)
+    if k > 0:
+        token = _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, lo, band_v, band_i,
+                             CAP, BLOCK)
     else:
-        token = _threshold_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, s_w, row_key, k, top_p, lo,
-                                 band_v, band_i, CAP, BLOCK)
+        s_w = tl.load(src + w_id) * scale
+        if top_p < 1.0:
+            token = _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, band_v,
+                                 band_i, CAP, BLOCK)
+        elif s_w <= lo:  # min_p alone: the winner unless it fell under the floor
+            nb, w_key, token = _compact(src, scale, V, lo, lo, row_key, True, band_v, band_i, CAP, BLOCK)
     return token
 
 
@@ -565,12 +607,13 @@ def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
     tl.store(out_lp + j, v - lse, mask=j < top_w)
 
 
-@triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "top_w"])
+@triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w"])
 def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
                    bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
-                   scratch, can_prepare, band_v, band_i, out_token, out_lp, out_top_id, out_top_lp, top_w,
-                   CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Persistent: program p samples rows p, p + P, ... with its own scratch row and band buffer."""
+                   scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
+                   top_w, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Persistent: program p samples rows p, p + P, ... with its own scratch row and band buffer; with
+    ``record`` it also advances the slot's counter and its token's count (a step's slots are distinct)."""
     pid = tl.program_id(0)
     scratch = scratch + pid.to(tl.int64) * V
     band_v = band_v + pid * CAP
@@ -603,7 +646,7 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         log_min_p = tl.load(fp + F_LOG_MIN_P)
         lp_k = tl.load(ip + I_LOGPROBS).to(tl.int32)
         row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
-        m, token, n_fin, mean, std, s_min, w_key, w_id, lse, top_v, top_i = _stats_pass(
+        m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i = _stats_pass(
             src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, BLOCK)
         if sampled:
             if (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
@@ -612,6 +655,11 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
             else:
                 token = w_id
         tl.store(out_token + r, token.to(tl.int64))
+        if record != 0:
+            tl.store(generated + slot, counter + 1)
+            if has_penalty_state != 0:
+                tl.atomic_add(counts + slot * V + token, 1)
+        tl.store(out_k + r, lp_k.to(tl.int64))
         if lp_k >= 0:
             tl.store(out_lp + r, tl.load(x_row + token) - lse)
             _write_top(top_v, top_i, lp_k, lse, out_top_id + r * top_w, out_top_lp + r * top_w, top_w)
@@ -649,18 +697,21 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Features,
-                ws: SamplingWorkspace) -> DeviceSample:
-    """Tokens (and raw logprobs when ``f.logprobs``) for ``logits`` [B, V] and ``slots`` [B]: one launch, no
-    sync. The counters are not advanced here (the sampler records the tokens)."""
+                ws: SamplingWorkspace, record: bool = False) -> DeviceSample:
+    """Tokens (and raw logprobs when ``f.logprobs``) for ``logits`` [B, V] and distinct ``slots`` [B]: one
+    launch, no sync (batch 1's budget is tens of microseconds: no fills, no gathers around it). ``record``:
+    advance the counters and penalty counts in the same launch. Logprob entries of rows with k = -1 are
+    undefined (``DeviceSample.to_host`` reads k)."""
     b, v = logits.shape
-    logits, slots = _aligned(logits.float()), _aligned(slots)
+    logits, slots = _aligned(logits.float()), _aligned(slots.long())
     dev = logits.device
     top_w = f.max_logprobs if f.logprobs else 0
-    tokens = torch.empty(b, dtype=torch.int64, device=dev)
-    lp = torch.full((b,), math.nan, dtype=torch.float32, device=dev)
-    top_ids = torch.zeros(b, max(top_w, 1), dtype=torch.int64, device=dev)
-    top_lp = torch.zeros(b, max(top_w, 1), dtype=torch.float32, device=dev)
-    has_pen = t.output_counts is not None and f.penalties
+    tokens = torch.empty(b, dtype=torch.int64, device=dev)  # apart: a view's alignment is a specialisation
+    k = torch.empty(b, dtype=torch.int64, device=dev)
+    lp = torch.empty(b, dtype=torch.float32, device=dev)
+    top_ids = torch.empty(b, max(top_w, 1), dtype=torch.int64, device=dev)
+    top_lp = torch.empty(b, max(top_w, 1), dtype=torch.float32, device=dev)
+    has_pen = t.output_counts is not None and (f.penalties or record)
     counts = t.output_counts if has_pen else ws.dummy
     in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
     prepare = f.bias or f.ban or has_pen
@@ -670,11 +721,10 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
         _sample_kernel[(min(b, ws.programs),)](
             logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
-            int(has_pen), scratch, int(prepare), ws.band_v, ws.band_i, tokens, lp, top_ids, top_lp, max(top_w, 1),
-            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
+            int(has_pen), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
+            max(top_w, 1), CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)
-    k = t.iparams[slots, sm.I_LOGPROBS]
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
 
 
