@@ -532,17 +532,21 @@ def assert_matches_oracle(tokens: list[int], row: torch.Tensor, p: SamplingParam
 
 def test_threshold_edges_follow_the_sorted_oracle() -> None:
     """top_p = 1 keeps all; top_k = 1 keeps the maximum and its ties; ties at the top_p threshold are all
-    kept; -inf logits are never drawn; min_p drops what is under its floor."""
+    kept; -inf logits (and a -100 logit_bias) are never drawn; min_p drops what is under its floor."""
     row = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.5, -math.inf, 0.0, -1.0, -math.inf, 1.5])
     params = [SamplingParams(temperature=1.0, top_p=1.0),
               SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=1.0, top_p=0.62),  # crosses inside the three tied 1.0s
               SamplingParams(temperature=0.8, top_k=3),     # the third place is a three-way tie
               SamplingParams(temperature=1.0, min_p=0.3),
-              SamplingParams(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05)]
+              SamplingParams(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=1.0, top_p=0.95, logit_bias={0: -100.0, 9: -100.0})]
     assert len(allowed_tokens(row, params[2])) == 5 and len(allowed_tokens(row, params[3])) == 5
     for tokens, p in zip(draw_rows(params, row, copies=96, steps=24), params):
-        assert_matches_oracle(tokens, row, p)
+        biased = row.clone()
+        for tok, b in p.logit_bias.items():
+            biased[tok] += b
+        assert_matches_oracle(tokens, biased, p)
     tied_max = torch.tensor([3.0, 3.0, 1.0, 0.0])
     tokens = draw_rows([SamplingParams(temperature=1.0, top_k=1)], tied_max, copies=64, steps=8)[0]
     assert set(tokens) == {0, 1}
