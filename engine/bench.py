@@ -2,6 +2,7 @@
 
     python -m engine.bench --device cpu
     python -m engine.bench --device cuda --shapes 0.1b,1.5b,7.2b [--out BENCHMARKS.md]
+    python -m engine.bench --device cuda --sampler-only --out -
 """
 
 from __future__ import annotations
@@ -80,6 +81,43 @@ def bench_sampler_cpu(batch: int = 32, vocab: int = 65536) -> str:
 
 
 # -- CUDA ---------------------------------------------------------------------------------
+
+def sampler_mixes() -> list[tuple[str, dict]]:
+    """The parameter mixes the sampler is timed on (issue 12: each within 0.5 ms at batch 1,024)."""
+    bias = {i: 1.0 - 0.25 * (i % 9) for i in range(7, 65536, 8191)}
+    return [("greedy", dict(temperature=0.0)), ("T=1", dict(temperature=1.0)),
+            ("T=1 top_p 0.9", dict(temperature=1.0, top_p=0.9)), ("T=0.8 top_k 50", dict(temperature=0.8, top_k=50)),
+            ("min_p 0.05", dict(temperature=1.0, min_p=0.05)),
+            ("penalties + logit_bias", dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                                            logit_bias=bias)),
+            ("logprobs 5", dict(temperature=1.0, logprobs=5))]
+
+
+def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BATCHES) -> str:
+    """``Sampler.sample_device`` (the fused kernel, the counters' update; no transfer) per mix, on flat
+    (Gaussian σ=1: random weights, a nucleus over most of the vocabulary) and peaked (σ=6) logits."""
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = {sigma: torch.randn(max(batches), vocab, device="cuda", generator=gen) * sigma for sigma in (1.0, 6.0)}
+    prompt = list(range(1, 257))
+    rows = []
+    for name, kw in sampler_mixes():
+        sampler = Sampler(max(batches), vocab, "cuda")
+        for slot in range(max(batches)):
+            sampler.reset_slot(slot, SamplingParams(**kw), slot, prompt)
+        sampler.warm_up(batches)
+        for sigma, x in logits.items():
+            times = []
+            for b in batches:
+                slots = torch.arange(b, device="cuda")
+                times.append(cuda_time_ms(lambda: sampler.sample_device(x[:b], slots), iters=20))
+            rows.append([name, f"σ={sigma:g}"] + [f"{ms:.3f}" for ms in times])
+        del sampler
+    return table(f"Sampler (fused kernel, sample_device), vocab {vocab:,}: ms per step",
+                 ["parameters", "logits"] + [f"batch {b}" for b in batches], rows)
+
 
 def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
@@ -282,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode table (minutes less: no prefill, mixed step, bf16 state, drift)")
+    ap.add_argument("--sampler-only", action="store_true", help="only the CUDA sampler table (a minute)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
@@ -294,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         body, where = bench_cpu(), f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}"
     else:
-        body = bench_cuda(args.shapes.split(","), args.max_batch, args.decode_only)
+        if args.sampler_only:
+            body = bench_sampler_cuda()
+        else:
+            body = bench_cuda(args.shapes.split(","), args.max_batch, args.decode_only) + "\n" + bench_sampler_cuda()
         where = f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"
     publish(f"Engine — {where}", "engine.bench", argv, body, args.out)
     return 0

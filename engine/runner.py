@@ -135,7 +135,7 @@ class ModelRunner:
             s.num_launched += 1
         if timing is not None:
             self.step_events.append((timing, self._record_event()))
-        return LaunchedStep(seqs, PendingSample(sample))
+        return LaunchedStep(seqs, sample.start_transfer())
 
     def _record_event(self):
         if self.device.type != "cuda":

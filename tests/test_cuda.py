@@ -310,3 +310,152 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(tmp_path):
     line = next(line for line in proc.stdout.splitlines() if line.startswith("ENTRIES"))
     _, before, after, _, graphs_before, graphs_after = line.split()
     assert before == after and graphs_before == graphs_after, line
+
+
+# -- the fused sampler (engine.cuda.sampling) against its twin, the torch path
+
+def sampler_mixes():
+    from engine.params import SamplingParams as P
+    return [P(temperature=0.0), P(temperature=1.0), P(temperature=1.0, top_p=0.9), P(temperature=0.8, top_k=50),
+            P(temperature=1.0, min_p=0.05), P(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5,
+                                              repetition_penalty=1.1, logit_bias={11: 3.0, 400: -5.0}),
+            P(temperature=1.0, logprobs=5), P(temperature=0.7, top_k=40, top_p=0.95, logprobs=20),
+            P(temperature=1.2, top_k=3000, top_p=0.6), P(temperature=1.0, top_k=1), P(temperature=1.0, min_p=1.0),
+            P(temperature=0.9, top_p=0.5, min_p=0.02, min_tokens=3, stop_token_ids=[7])]
+
+
+def admitted_sampler(params, vocab=65536, seed=0):
+    from engine.sampler import Sampler
+    sampler = Sampler(len(params), vocab, DEVICE)
+    for slot, p in enumerate(params):
+        sampler.reset_slot(slot, p, seed=seed + slot, prompt_token_ids=[1, 2, 3, 500])
+    return sampler
+
+
+@pytest.mark.parametrize("sigma", [1.0, 6.0])
+def test_cuda_sampler_picks_the_torch_path_tokens(sigma):
+    """V = 65,536, ~200 rows of every mix: the kernel and the torch path on the same logits and counters
+    pick the same token (fused multiply-adds and fast exps may flip a near-tie: 0.5% allowed) and the
+    same raw logprobs."""
+    from engine.cuda.sampling import sample_rows, sample_rows_ref
+    params = sampler_mixes() * 16
+    sampler = admitted_sampler(params)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    agree = total = 0
+    for _ in range(4):
+        logits = torch.randn(len(params), 65536, device=DEVICE, generator=gen) * sigma
+        slots = torch.randperm(len(params), device=DEVICE, generator=gen)
+        f = sampler._features()
+        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
+        want = sample_rows_ref(logits, slots, sampler.tables, f)
+        same = got.tokens == want.tokens
+        agree, total = agree + int(same.sum()), total + len(params)
+        asked = (want.logprobs_k >= 0) & same
+        assert torch.allclose(got.logprobs[asked], want.logprobs[asked], atol=1e-4)
+        cols = torch.arange(want.top_ids.shape[1], device=DEVICE) < want.logprobs_k.unsqueeze(1)
+        assert torch.allclose(got.top_logprobs[cols], want.top_logprobs[cols], atol=1e-4)
+        sampler._record(slots, want.tokens)
+    assert agree >= 0.995 * total, (agree, total)
+
+
+def oracle_probabilities(row, p):
+    """The kept set's probabilities in float64 by sorting the row (top_k, then top_p renormalised over the k,
+    ties at the threshold kept): independent of both samplers."""
+    probs = torch.softmax(row.double() / p.temperature, 0)
+    order = probs.argsort(descending=True)
+    ranked = probs[order]
+    k = p.top_k if p.top_k > 0 else len(ranked)
+    top = ranked[:k] / ranked[:k].sum()
+    n_keep = int(((top.cumsum(0) - top) < p.top_p).sum()) if p.top_p < 1 else k
+    kept = probs >= ranked[max(n_keep, 1) - 1]
+    return torch.where(kept, probs, 0.0) / probs[kept].sum()
+
+
+@pytest.mark.parametrize("sigma,params", [(6.0, dict(top_p=0.9)), (1.0, dict(top_k=20)), (1.0, dict(top_p=0.9)),
+                                          (6.0, dict(top_k=40, top_p=0.95))])
+def test_cuda_sampler_distribution_matches_a_sorted_oracle(sigma, params):
+    """2,048 sequences × 8 steps on one row: the drawn tokens' frequencies in ten bins of equal oracle mass
+    (a bin per token when the kept set is small) against the oracle, chi-square; nothing outside the set."""
+    from engine.params import SamplingParams
+    p = SamplingParams(temperature=1.0, **params)
+    row = torch.randn(65536, generator=torch.Generator().manual_seed(2)) * sigma
+    sampler = admitted_sampler([p] * 2048)
+    slots, logits = torch.arange(2048, device=DEVICE), row.to(DEVICE).expand(2048, -1).contiguous()
+    drawn = torch.cat([sampler.sample_device(logits, slots).tokens.cpu() for _ in range(8)])
+    q = oracle_probabilities(row, p)
+    assert bool((q[drawn] > 0).all()), "drew a token the oracle drops"
+    kept = q.nonzero().squeeze(1)
+    if len(kept) <= 12:
+        bins, expected = drawn, q
+    else:  # deciles of mass, the most probable tokens first
+        order = kept[q[kept].argsort(descending=True)]
+        decile = torch.zeros(65536, dtype=torch.int64)
+        decile[order] = (torch.cumsum(q[order], 0) - q[order]).mul(10).long().clamp(max=9)
+        bins, expected = decile[drawn], torch.zeros(10, dtype=torch.float64).index_add_(0, decile[order], q[order])
+    observed = torch.bincount(bins, minlength=len(expected)).double()
+    expected = expected * len(drawn)
+    used = expected > 0
+    dof = int(used.sum()) - 1
+    chi2 = float(((observed[used] - expected[used]) ** 2 / expected[used]).sum())
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)
+
+
+def test_cuda_sampler_is_deterministic_and_batch_invariant():
+    """A sequence's token: the same twice, alone, and at three rows of batches of 7 and 1,024."""
+    from engine.params import SamplingParams
+    target = SamplingParams(temperature=0.9, top_p=0.8, top_k=500, presence_penalty=0.3, logprobs=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    row = torch.randn(65536, device=DEVICE, generator=gen) * 2
+    seen = []
+    for batch, position in ((1, 0), (7, 3), (1024, 0), (1024, 517), (1024, 1023)):
+        params = (sampler_mixes() * 100)[:batch]
+        params[position] = target
+        sampler = admitted_sampler(params)
+        sampler.reset_slot(position, target, seed=42, prompt_token_ids=[5])
+        logits = torch.randn(batch, 65536, device=DEVICE, generator=gen)
+        logits[position] = row
+        slots = torch.arange(batch, device=DEVICE)
+        state = [t.clone() for t in (sampler._generated, sampler.output_counts)]
+        first = sampler.sample_device(logits, slots)
+        for t, saved in zip((sampler._generated, sampler.output_counts), state):
+            t.copy_(saved)  # the same positions again: the same noise
+        again = sampler.sample_device(logits, slots)
+        assert torch.equal(first.tokens, again.tokens)
+        seen.append((int(first.tokens[position]), float(first.logprobs[position])))
+    assert len(set(seen)) == 1, seen
+
+
+def test_sample_device_never_synchronises():
+    """The step loop may queue the sampler behind the model: sample_device must not wait for the device."""
+    params = sampler_mixes() * 4
+    sampler = admitted_sampler(params)
+    logits = torch.randn(len(params), 65536, device=DEVICE)
+    slots = torch.arange(len(params), device=DEVICE)
+    sampler.sample_device(logits, slots)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out = sampler.sample_device(logits, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out.to_host().token_ids == out.tokens.tolist()
+
+
+def test_sampler_warm_up_leaves_nothing_to_compile(monkeypatch):
+    """After warm_up no step compiles a Triton kernel, whatever the mix, batch size or table widths."""
+    import triton
+    from engine.params import SamplingParams
+    from engine.sampler import Sampler
+    sampler = Sampler(64, 65536, DEVICE)
+    sampler.warm_up([1, 5, 64])
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiled.append(kw["repr"]) or False)
+    wide_bias = SamplingParams(logit_bias={i: 1.0 for i in range(0, 65536, 4000)}, logprobs=20, min_tokens=2)
+    for slot, p in enumerate(sampler_mixes() * 5 + [wide_bias]):
+        sampler.reset_slot(slot, p, seed=slot, prompt_token_ids=[3, 4])
+    logits = torch.randn(64, 65536, device=DEVICE)
+    for b in (1, 5, 64, 3, 60):
+        sampler.sample(logits[:b], torch.arange(b, device=DEVICE) + (60 - b if b <= 4 else 0))
+    sampler.sample(logits[0].expand(4, -1), torch.arange(4, device=DEVICE))  # a broadcast row, as a prefill's
+    assert compiled == [], compiled

@@ -129,8 +129,8 @@ def test_malformed_entries_never_stop_a_worker(redis_url, tiny_model_path):
 def stream_completion(url: str, prompt: str, seed: int, max_tokens: int, out: dict) -> None:
     text, chunks = "", 0
     with httpx.stream("POST", url + "/v1/completions", timeout=300,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 0.9,
-                            "seed": seed, "stream": True}) as resp:
+                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+                            "stream": True}) as resp:
         out["status"] = resp.status_code
         for line in resp.iter_lines():
             if line.startswith("data: {"):
@@ -148,7 +148,7 @@ def engine_text(engine, prompt: str, seed: int, max_tokens: int) -> str:
     from engine.params import SamplingParams
     from engine.sequence import Request
     engine.add(Request(f"solo-{seed}", engine.tokenizer.encode(prompt),
-                       SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, seed=seed)))
+                       SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)))
     text = ""
     while engine.has_work():
         text += "".join(out.text for out in engine.step())
@@ -165,7 +165,7 @@ def test_a_redis_restart_mid_stream_loses_no_text(tmp_path, tiny_model_path):
         api.wait_healthy()
         wait_for(lambda: httpx.get(api.url + "/ready").status_code == 200, 120, 0.2, "ready")
         outs = [{} for _ in range(20)]
-        threads = [threading.Thread(target=stream_completion, args=(api.url, f"Story {i}:", i, 96, outs[i]))
+        threads = [threading.Thread(target=stream_completion, args=(api.url, f"Story {i}:", i, 64, outs[i]))
                    for i in range(20)]
         for t in threads:
             t.start()
@@ -183,7 +183,7 @@ def test_a_redis_restart_mid_stream_loses_no_text(tmp_path, tiny_model_path):
         engine = LLMEngine(EngineConfig(device="cpu", model=str(tiny_model_path), max_num_seqs=4))
         for i, out in enumerate(outs):
             assert out.get("status") == 200 and "error" not in out, (i, out, api.log())
-            assert out["text"] == engine_text(engine, f"Story {i}:", i, 96), i
+            assert out["text"] == engine_text(engine, f"Story {i}:", i, 64), i
         assert all(o.get("status") == 200 and "error" not in o and o["text"] for o in later), (later, api.log())
         assert worker.poll() is None, log_of(worker)
     finally:
@@ -292,23 +292,35 @@ def test_requests_of_a_killed_api_process_are_cancelled_within_10_s(redis_server
 # -- fairness between tenants ------------------------------------------------------------------------
 
 def test_one_tenants_backlog_does_not_delay_another_tenants_request(redis_url, tiny_model_path):
+    """B's request takes one of the next free slots, not a place behind A's 2,000: counted in A's requests that
+    finish while B waits (at most about a round of the 8 slots), and timed (well within a second on an idle
+    machine)."""
     r = redis.Redis.from_url(redis_url)
     worker = start_worker(redis_url, str(tiny_model_path), "fair-w", "--max-num-seqs", "8")
     pipe = r.pipeline()
     for i in range(2000):
-        req = c.QueuedRequest(id=f"a-{i}", prompt_token_ids=[1, 2, 3 + i % 50], params={"max_tokens": 8},
+        req = c.QueuedRequest(id=f"a-{i}", prompt_token_ids=[1, 2, 3 + i % 50], params={"max_tokens": 3},
                               tenant="tenant-a")
         req.enqueue(pipe)
     pipe.execute()
     assert wait_running(r, ["a-0"], 120), log_of(worker)
     time.sleep(1.0)  # the worker is busy with A's backlog
-    submit(r, "b-0", [5, 6, 7], tenant="tenant-b", max_tokens=8)
+
+    def a_done() -> int:
+        pipe = r.pipeline()
+        for i in range(2000):
+            pipe.exists(c.result_key(f"a-{i}"))
+        return sum(pipe.execute())
+
+    before = a_done()
+    submit(r, "b-0", [5, 6, 7], tenant="tenant-b", max_tokens=3)
     t0 = time.monotonic()
-    assert wait_running(r, ["b-0"], 30)
+    assert wait_running(r, ["b-0"], 60)
     waited = time.monotonic() - t0
-    a_done = sum(1 for i in range(2000) if r.exists(c.result_key(f"a-{i}")))
-    assert waited < 1.0, (waited, a_done)
-    assert a_done < 1900  # A's backlog was still there when B's request started
+    overtaken = a_done() - before
+    assert overtaken <= 24, (overtaken, waited)  # a FIFO would make B wait for the ~2,000 ahead
+    assert waited < 3.0, (overtaken, waited)
+    assert a_done() < 1900  # A's backlog was still there when B's request started
     worker.kill()
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.sampler import (Sampler, counter_hash, exponential_noise, mix32, seed_key,
-                            vocab_keys)
+from engine.sampler import (F_INV_TEMPERATURE, F_LOG_MIN_P, F_TOP_P, I_TOP_K, DeviceSample, Sampler, SlotTables,
+                            counter_hash, exponential_noise, mix32, race, sample_candidates, seed_key, vocab_keys)
 
 
 # ----------------------------------------------------------------- helpers
@@ -54,9 +54,11 @@ def reference_process(row: torch.Tensor, p: SamplingParams, prompt: list[int],
 
 
 def allowed_tokens(row: torch.Tensor, p: SamplingParams) -> set[int]:
-    """The set min_p -> top_k -> top_p leaves, from probabilities in float64."""
+    """The set min_p -> top_k -> top_p leaves, from probabilities in float64: the k most probable, then the
+    smallest prefix of them with mass >= top_p (renormalised over the k), then every token tied with the
+    last one kept (ties at the threshold are kept)."""
     probs = torch.softmax(row.double() / p.temperature, dim=0).tolist()
-    alive = set(range(len(probs)))
+    alive = {i for i in range(len(probs)) if row[i] > -math.inf}
     if p.min_p > 0:
         top = max(probs)
         alive = {i for i in alive if probs[i] >= p.min_p * top}
@@ -70,7 +72,8 @@ def allowed_tokens(row: torch.Tensor, p: SamplingParams) -> set[int]:
         mass += probs[i] / total
         if mass >= p.top_p:
             break
-    return set(kept)
+    last = min(probs[i] for i in kept)
+    return set(kept) | {i for i in alive if probs[i] == last}
 
 
 def target_distribution(row: torch.Tensor, p: SamplingParams) -> list[float]:
@@ -448,17 +451,17 @@ def test_copy_slot_forks_params_and_counts_with_a_new_seed() -> None:
     assert streams[0] != streams[1]
 
 
-def full_sort_nucleus(sampler: Sampler, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def full_sort_nucleus(t: SlotTables, scaled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Oracle: top_k, then top_p on the renormalised remainder, by sorting the whole row; the rest -inf."""
     v = scaled.shape[1]
     srt = scaled.sort(dim=1, descending=True).values
     pos = torch.arange(v).unsqueeze(0)
-    k = sampler._top_k[slots]
+    k = t.iparams[slots, I_TOP_K]
     k = torch.where(k > 0, k.clamp(max=v), v).unsqueeze(1)
     srt = srt.masked_fill(pos >= k, -math.inf)
     probs = srt.softmax(dim=1)
     before = probs.cumsum(dim=1) - probs
-    top_p = sampler._top_p[slots].unsqueeze(1)
+    top_p = t.fparams[slots, F_TOP_P].unsqueeze(1)
     keep = ((before < top_p) | (top_p >= 1.0)) & (srt > -math.inf)
     n_keep = keep.sum(dim=1, keepdim=True).clamp(min=1)
     return scaled.masked_fill(scaled < srt.gather(1, n_keep - 1), -math.inf)
@@ -486,18 +489,92 @@ def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
     for step in range(6):
         logits = random_logits(len(params), vocab, seed=900 + step)
         logits[0] *= 0.5 / 3.0
-        temperature = sampler._temperature[slots].unsqueeze(1)
-        scaled = logits / temperature
-        floor = scaled.amax(1, keepdim=True) + torch.log(sampler._min_p[slots].clamp(min=1e-30)).unsqueeze(1)
+        t = sampler.tables
+        scaled = logits * t.fparams[slots, F_INV_TEMPERATURE].unsqueeze(1)
+        floor = scaled.amax(1, keepdim=True) + t.fparams[slots, F_LOG_MIN_P].unsqueeze(1)
         scaled = scaled.masked_fill(scaled < floor, -math.inf)
-        want = sampler._race(full_sort_nucleus(sampler, scaled, slots), slots)
-        fallbacks += int((~sampler._sample_candidates(scaled, slots, min(vocab, candidates))[1]).sum())
+        want = race(full_sort_nucleus(t, scaled, slots), slots, t)
+        fallbacks += int((~sample_candidates(scaled, slots, t, min(vocab, candidates))[1]).sum())
         out = sampler.sample(logits, slots)
         got = out.token_ids
         assert got == want.tolist(), (step, got, want.tolist())
-        # the wide row's logprob is its re-sampled token's (the fallback re-packs the step's transfer)
+        # the wide row's logprob is its re-sampled token's
         assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0].double(), 0)[got[0]].item(), abs=1e-4)
         for row, (tok, p) in enumerate(zip(got, params)):
             assert tok in allowed_tokens(logits[row], p), (step, row)
     if candidates == 16:
         assert fallbacks > 0  # the wide rows did take the full-sort path
+
+
+# ------------------------------------------------ edges of the kept set, against the sorted oracle
+
+def draw_rows(params: list[SamplingParams], row: torch.Tensor, copies: int, steps: int) -> list[list[int]]:
+    """Tokens per parameter set: ``copies`` slots (seeds) each, ``steps`` counters, all on ``row``."""
+    sampler = Sampler(len(params) * copies, row.numel())
+    for slot in range(len(params) * copies):
+        sampler.reset_slot(slot, params[slot % len(params)], seed=7 * slot + 1, prompt_token_ids=[])
+    slots = torch.arange(len(params) * copies)
+    drawn: list[list[int]] = [[] for _ in params]
+    for _ in range(steps):
+        for slot, tok in enumerate(sampler.sample(row.expand(len(slots), -1).contiguous(), slots).token_ids):
+            drawn[slot % len(params)].append(tok)
+    return drawn
+
+
+def assert_matches_oracle(tokens: list[int], row: torch.Tensor, p: SamplingParams) -> None:
+    expected = [q * len(tokens) for q in target_distribution(row, p)]
+    observed = torch.bincount(torch.tensor(tokens), minlength=row.numel()).tolist()
+    assert all(o == 0 for o, e in zip(observed, expected) if e == 0), "sampled a token the oracle drops"
+    support = sum(e > 0 for e in expected)
+    if support > 1:
+        assert chi_square(observed, expected) < chi_square_bound(support - 1), (p, observed, expected)
+
+
+def test_threshold_edges_follow_the_sorted_oracle() -> None:
+    """top_p = 1 keeps all; top_k = 1 keeps the maximum and its ties; ties at the top_p threshold are all
+    kept; -inf logits (and a -100 logit_bias) are never drawn; min_p drops what is under its floor."""
+    row = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.5, -math.inf, 0.0, -1.0, -math.inf, 1.5])
+    params = [SamplingParams(temperature=1.0, top_p=1.0),
+              SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.0, top_p=0.62),  # crosses inside the three tied 1.0s
+              SamplingParams(temperature=0.8, top_k=3),     # the third place is a three-way tie
+              SamplingParams(temperature=1.0, min_p=0.3),
+              SamplingParams(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=1.0, top_p=0.95, logit_bias={0: -100.0, 9: -100.0})]
+    assert len(allowed_tokens(row, params[2])) == 5 and len(allowed_tokens(row, params[3])) == 5
+    for tokens, p in zip(draw_rows(params, row, copies=96, steps=24), params):
+        biased = row.clone()
+        for tok, b in p.logit_bias.items():
+            biased[tok] += b
+        assert_matches_oracle(tokens, biased, p)
+    tied_max = torch.tensor([3.0, 3.0, 1.0, 0.0])
+    tokens = draw_rows([SamplingParams(temperature=1.0, top_k=1)], tied_max, copies=64, steps=8)[0]
+    assert set(tokens) == {0, 1}
+
+
+def test_banned_and_masked_tokens_never_drawn_in_a_wide_row() -> None:
+    """A 4,096-token row, half of it -inf: the nucleus (wider than the candidates) never reaches them."""
+    row = random_logits(1, 4096, seed=5, scale=0.5)[0]
+    row[::2] = -math.inf
+    for tokens in draw_rows([SamplingParams(temperature=1.0, top_p=0.95),
+                             SamplingParams(temperature=1.0, min_p=0.5, top_k=3000)], row, copies=16, steps=4):
+        assert all(tok % 2 == 1 for tok in tokens)
+
+
+def test_sample_device_leaves_results_on_the_device_and_records() -> None:
+    """sample_device + to_host == sample (one transfer), and the counters advance on the device."""
+    admitted = {0: SamplingParams(temperature=0.0, logprobs=3),
+                2: SamplingParams(temperature=1.0, frequency_penalty=1.0)}
+    sampler, twin = Sampler(3, 50), Sampler(3, 50)
+    for s in (sampler, twin):
+        for slot, p in admitted.items():
+            s.reset_slot(slot, p, seed=slot + 1, prompt_token_ids=[])
+    for step in range(3):
+        logits = random_logits(2, 50, seed=step)
+        out = sampler.sample_device(logits, slots_of(2, 0))
+        assert isinstance(out, DeviceSample) and out.tokens.dtype == torch.int64 and out.top_ids.shape == (2, 3)
+        assert out.logprobs_k.tolist() == [-1, 3]
+        host = out.to_host()
+        assert host == twin.sample(logits, slots_of(2, 0))
+        assert math.isnan(host.logprobs[0]) and host.top_logprobs[0] == [] and len(host.top_logprobs[1]) == 3
+    assert sampler._generated.tolist() == [3, 0, 3] and int(sampler.output_counts[2].sum()) == 3

@@ -1,0 +1,744 @@
+"""Token sampling in one persistent Triton kernel (``sample_rows``) with its plain-torch twin.
+
+Same semantics as ``engine.sampler`` (its module doc), same counter-hash noise, same token: the exponential
+race's winner ``argmax(s_i - log E_i)`` over the kept tokens ``{i : s_i >= tau}``; the kernel finds that set
+without sorting the vocabulary. One program per SM loops over the rows, a row at a time, so a row's later
+passes find it in L2 (132 rows × 256 KB in flight: 34 MB of the H200's 50 MB). Per row:
+
+1. rows with logit_bias, an active min_tokens ban or penalties: the processed row times 1 / temperature goes
+   to the program's scratch row (penalties read the slot's dense counts; the sparse bias and ban entries are
+   then rewritten from their raw logits: nothing matches ids against ids); later passes read it there.
+2. the stats pass: max and greedy argmax, count / mean / std / min of the finite values, raw log-sum-exp and
+   top-k raw logprobs when asked, and for rows without top_k the race over every token (winner ``w``).
+   Greedy and plain-temperature rows end here: one pass.
+3. the threshold: ``kept(t) = #{s > t} < top_k and mass{s > t} < top_p * Z`` holds exactly for the values
+   the sorted rule keeps (ties at the threshold kept) and is monotone in t. A probe pass evaluates it at up
+   to 8 values at once and narrows a bracket ``(lo, hi]`` (<= lo dropped, > hi kept); probes go around a
+   Gaussian guess, then the interpolated crossing, plus even splits, so a bracket always shrinks.
+   top_p rows first test ``w`` (2 probes: lo, min_p's floor, gives Z; and w's value): a kept ``w`` is the
+   answer (p ~ top_p of rows) and the row is done after 2 passes. min_p alone: ``w`` unless under the floor.
+4. when at most ``cap`` values lie in the bracket (or above lo: then top_k's own mass, the Z top_p needs
+   after top_k, is there too), one pass copies them to the program's band buffer and races the values above
+   hi; the band is sorted, tau read off its cumulative counts and masses as the sorted rule reads them, and
+   its kept tokens join the race.
+
+Passes over a row at vocabulary 65,536, flat (σ=1) / peaked (σ=6) logits, counted under the interpreter:
+greedy, T=1 and logprobs 1; penalties 2; min_p 1.6 / 1; top_p 0.9 2.4 / 2; top_k 50 3. A pass reads 256 KB
+a row (268 MB at batch 1,024, ~0.07 ms from HBM); what costs more than reading is arithmetic a value: the
+race's noise (two 32-bit hashes, and two logs where a chunk can still change the winner: ~5 of 32 chunks),
+8 probes (~40 instructions), and barriers: every reduction to a scalar inside a chunk loop is a block-wide
+one, so passes accumulate lane by lane and reduce once. Measured numbers belong in BENCHMARKS.md
+(``python -m engine.bench --sampler-only``).
+
+A row's arithmetic depends only on its values and on the configuration, which depends only on the vocabulary
+size (``config_for``): not on the batch size, its row or its program, so tokens are batch-invariant. Exact
+ties between two race keys go to the lower id, where the twin (torch's argmax over its candidates) may pick
+the other: a probability-zero event for continuous noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import sampler as sm
+from engine.sampler import DeviceSample, Features, SlotTables
+
+MUL1 = tl.constexpr(sm._MUL1)
+MUL2 = tl.constexpr(sm._MUL2)
+GOLDEN = tl.constexpr(sm._GOLDEN)
+COUNTER_SALT = tl.constexpr(sm._COUNTER_SALT)
+VOCAB_SALT = tl.constexpr(sm._VOCAB_SALT)
+V_MAX = tl.constexpr(sm._V_MAX)
+NUM_F = tl.constexpr(sm.NUM_F)
+NUM_I = tl.constexpr(sm.NUM_I)
+F_TOP_P = tl.constexpr(sm.F_TOP_P)
+F_PRESENCE = tl.constexpr(sm.F_PRESENCE)
+F_FREQUENCY = tl.constexpr(sm.F_FREQUENCY)
+F_REPETITION = tl.constexpr(sm.F_REPETITION)
+F_INV_TEMPERATURE = tl.constexpr(sm.F_INV_TEMPERATURE)
+F_LOG_MIN_P = tl.constexpr(sm.F_LOG_MIN_P)
+F_TEMPERATURE = tl.constexpr(sm.F_TEMPERATURE)
+I_TOP_K = tl.constexpr(sm.I_TOP_K)
+I_MIN_TOKENS = tl.constexpr(sm.I_MIN_TOKENS)
+I_LOGPROBS = tl.constexpr(sm.I_LOGPROBS)
+I_SEED_KEY = tl.constexpr(sm.I_SEED_KEY)
+I_NUM_BIAS = tl.constexpr(sm.I_NUM_BIAS)
+I_NUM_BAN = tl.constexpr(sm.I_NUM_BAN)
+NO_LIMIT = tl.constexpr(2 ** 31 - 1)  # top_k off
+NUM_PROBES = tl.constexpr(8)
+TOP_LOGPROBS = tl.constexpr(32)  # raw top-k buffer: MAX_LOGPROBS (20) rounded up to a power of two
+TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
+# chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
+# latency-bound at a few TB/s
+STAGES = tl.constexpr(3)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Fixed per vocabulary size, never per batch (a row's sums must not depend on its batch): ``block``
+    values a chunk in every pass, ``cap`` the band buffer (sorted at the end of a threshold search), and the
+    persistent grid, ``programs_per_sm`` programs of ``num_warps`` warps on each SM."""
+    block: int
+    cap: int
+    num_warps: int
+    programs_per_sm: int = 2
+
+
+def config_for(vocab_size: int) -> KernelConfig:
+    if vocab_size <= 8192:  # tests and small models: several chunks and a small band, to exercise both
+        return KernelConfig(block=256, cap=64, num_warps=4)
+    # 16 warps of 128 registers fill an SM's register file (8 warps took 170 a thread: one program an SM
+    # either way); a chunk is 4 values a thread, cap 1,024 keeps the band's sort a few microseconds
+    return KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
+
+
+# ----------------------------------------------------------------------------------- noise
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * MUL1
+    x = x ^ (x >> 15)
+    x = x * MUL2
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _row_key(seed_key, counter):
+    """engine.sampler.counter_hash's per-row part, in uint32 arithmetic."""
+    return _mix32(seed_key.to(tl.uint32) ^ _mix32(counter.to(tl.uint32) + COUNTER_SALT))
+
+
+@triton.jit
+def _element_hash(row_key, ids):
+    vocab = _mix32((ids.to(tl.uint32) * GOLDEN) ^ VOCAB_SALT)
+    return _mix32(row_key ^ vocab)
+
+
+@triton.jit
+def _uniform(h):
+    """v = (h + 0.5) / 2**32 in (0, 1), as engine.sampler.exponential_noise rounds it."""
+    return tl.minimum((h.to(tl.float32) + 0.5) * 2.3283064365386963e-10, V_MAX)
+
+
+@triton.jit
+def _neg_log_noise(v):
+    """-log E with E = -log1p(-v); log1p by Goldberg's u = 1 - v trick (no libdevice under the
+    interpreter), exact to a few ulps."""
+    u = 1.0 - v
+    e = tl.where(u == 1.0, v, v * (tl.log(u) / (u - 1.0)))
+    return -tl.log(e)
+
+
+@triton.jit
+def _race_chunk(s, start, keep, row_key, best_key, best_id):
+    """Fold the chunk at ``start`` into the running race: argmax of s - log E over ``keep``, ties to the
+    lower id. A value beats best_key only if E < e^(s - best_key), and E >= v: a chunk where no v passes
+    that (0.1% to spare for rounding) cannot change the race and skips the two logs a value (after the
+    first few chunks most do)."""
+    v = _uniform(_element_hash(row_key, start + tl.arange(0, s.shape[0])))
+    if tl.sum((keep & (v < tl.exp(s - best_key) * 1.001)).to(tl.int32), 0) > 0:
+        key = tl.where(keep, s + _neg_log_noise(v), float("-inf"))
+        c_key, c_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+        better = c_key > best_key
+        best_key = tl.where(better, c_key, best_key)
+        best_id = tl.where(better, start + c_pos, best_id)
+    return best_key, best_id
+
+
+@triton.jit
+def _hash_kernel(keys, counters, out_h, out_noise, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h = _element_hash(_row_key(tl.load(keys + row), tl.load(counters + row)), offs)
+    tl.store(out_h + row * V + offs, h.to(tl.int64), mask=offs < V)
+    tl.store(out_noise + row * V + offs, -_neg_log_noise(_uniform(h)), mask=offs < V)
+
+
+def counter_hash_rows(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's hash [B, V] (int64) and log E [B, V] for seed keys and counters [B]."""
+    b = keys.shape[0]
+    h = torch.empty(b, vocab_size, dtype=torch.int64, device=keys.device)
+    log_e = torch.empty(b, vocab_size, dtype=torch.float32, device=keys.device)
+    _hash_kernel[(b, triton.cdiv(vocab_size, 256))](keys, counters, h, log_e, vocab_size, BLOCK=256)
+    return h, log_e
+
+
+def counter_hash_rows_ref(keys: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    vocab = sm.vocab_keys(vocab_size, keys.device)
+    return sm.counter_hash(keys, counters, vocab), torch.log(sm.exponential_noise(keys, counters, vocab))
+
+
+# ------------------------------------------------------------------------------ row passes
+
+@triton.jit
+def _load_scaled(src, offs, V, scale):
+    return tl.load(src + offs, mask=offs < V, other=float("-inf")) * scale
+
+
+@triton.jit
+def _penalize(y, counts, in_prompt, mask, rep, freq, pres):
+    """Repetition, frequency and presence penalties, as engine.sampler._apply_penalties."""
+    c = tl.load(counts, mask=mask, other=0)
+    seen_out = c > 0
+    seen = seen_out | (tl.load(in_prompt, mask=mask, other=0) != 0)
+    y = tl.where(seen, tl.where(y > 0, tl.math.div_rn(y, rep), y * rep), y)
+    y = y - freq * c.to(tl.float32)
+    return y - pres * seen_out.to(tl.float32)
+
+
+@triton.jit
+def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
+                 bias_ids, bias_vals, n_bias, ban_ids, n_ban, BLOCK: tl.constexpr):
+    """Steps 1-3 times 1 / temperature into ``dst``: dense penalties, then the sparse bias entries
+    recomputed from their raw logits, then the ban (-inf) over everything."""
+    tl.debug_barrier()  # the previous row's readers are done with dst
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        y = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
+        if pen:
+            y = _penalize(y, counts + offs, in_prompt + offs, offs < V, rep, freq, pres)
+        tl.store(dst + offs, y * inv_t, mask=offs < V)
+    tl.debug_barrier()
+    for j0 in range(0, n_bias, TABLE_BLOCK):
+        j = j0 + tl.arange(0, TABLE_BLOCK)
+        ids = tl.load(bias_ids + j, mask=j < n_bias, other=0)
+        y = tl.load(x_row + ids, mask=j < n_bias, other=0.0) + tl.load(bias_vals + j, mask=j < n_bias, other=0.0)
+        if pen:
+            y = _penalize(y, counts + ids, in_prompt + ids, j < n_bias, rep, freq, pres)
+        tl.store(dst + ids, y * inv_t, mask=j < n_bias)
+    tl.debug_barrier()
+    for j0 in range(0, n_ban, TABLE_BLOCK):
+        j = j0 + tl.arange(0, TABLE_BLOCK)
+        ids = tl.load(ban_ids + j, mask=j < n_ban, other=0)
+        tl.store(dst + ids, tl.full([TABLE_BLOCK], float("-inf"), tl.float32), mask=j < n_ban)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _top_insert(x, start, top_v, top_i):
+    """Move the chunk's values above the running k-th best into the unsorted top buffer, largest first
+    (slots past k hold +inf, never the minimum). A value must beat the best k seen so far: after the first
+    chunk about k / (chunks so far) of them do, so the loop runs ~3k times a row in all."""
+    slot_ids = tl.arange(0, TOP_LOGPROBS)
+    lanes = tl.arange(0, x.shape[0])
+    theta = tl.min(top_v, 0)
+    v, pos = tl.max(tl.where(x > theta, x, float("-inf")), 0, return_indices=True,
+                    return_indices_tie_break_left=True)
+    while v > theta:
+        # replace the minimum; among equal minima the highest id (lower ids first, as the first maximum)
+        slot = tl.argmax(tl.where(top_v == theta, top_i, -1), 0)
+        top_v = tl.where(slot_ids == slot, v, top_v)
+        top_i = tl.where(slot_ids == slot, start + pos, top_i)
+        x = tl.where(lanes == pos, float("-inf"), x)
+        theta = tl.min(top_v, 0)
+        v, pos = tl.max(tl.where(x > theta, x, float("-inf")), 0, return_indices=True,
+                        return_indices_tie_break_left=True)
+    return top_v, top_i
+
+
+@triton.jit
+def _raw_lse_chunk(x, m, z):
+    """Lane-wise online log-sum-exp (one exp a value): running max ``m`` and sum ``z`` of e^(x - m)."""
+    d = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
+    z = tl.where(x > m, z * d + 1.0, z + d)
+    return tl.maximum(m, x), z
+
+
+@triton.jit
+def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, BLOCK: tl.constexpr):
+    """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``), the raw
+    log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``). Accumulated lane by lane and reduced once:
+    a reduction inside the loop is a block-wide barrier per chunk (only the race's skip test has one)."""
+    lanes = tl.arange(0, BLOCK)
+    m_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    arg_l = tl.zeros([BLOCK], tl.int32)
+    n_l = tl.zeros([BLOCK], tl.int32)
+    s1_l = tl.zeros([BLOCK], tl.float32)
+    s2_l = tl.zeros([BLOCK], tl.float32)
+    min_l = tl.full([BLOCK], float("inf"), tl.float32)
+    mr_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    zr_l = tl.zeros([BLOCK], tl.float32)
+    w_key = float("-inf")
+    w_id = 0
+    top_v = tl.where(tl.arange(0, TOP_LOGPROBS) < lp_k, float("-inf"), float("inf"))
+    top_i = tl.zeros([TOP_LOGPROBS], tl.int32)
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        s = _load_scaled(src, start + lanes, V, scale)
+        arg_l = tl.where(s > m_l, start + lanes, arg_l)  # a lane keeps its first maximum
+        m_l = tl.maximum(m_l, s)
+        fin = s > float("-inf")
+        n_l += fin.to(tl.int32)
+        s1_l += tl.where(fin, s, 0.0)
+        s2_l += tl.where(fin, s * s, 0.0)
+        min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
+        if do_race:
+            w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
+        if lp_k >= 0:
+            x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
+            mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
+            if lp_k > 0:
+                top_v, top_i = _top_insert(x, start, top_v, top_i)
+    m = tl.max(m_l, 0)
+    n_fin = tl.sum(n_l, 0)
+    mean = tl.sum(s1_l, 0) / tl.maximum(n_fin, 1)
+    std = tl.sqrt(tl.maximum(tl.sum(s2_l, 0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
+    m_raw = tl.max(mr_l, 0)
+    z_raw = tl.sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
+    arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
+    return m, arg, n_fin, mean, std, tl.min(min_l, 0), w_id, m_raw + tl.log(z_raw), top_v, top_i
+
+
+# ------------------------------------------------------------------------ threshold search
+
+@triton.jit
+def _ordered(x):
+    """float32 -> int32, monotone, equal floats (+0, -0) to equal ints."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+
+@triton.jit
+def _from_ordered(o):
+    return tl.where(o < 0, (-o) | (-2147483648), o).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _prev(x):
+    """The largest float32 below x."""
+    return _from_ordered(_ordered(x) - 1)
+
+
+@triton.jit
+def _probit(q):
+    """Inverse normal CDF to ~5e-4 (Abramowitz & Stegun 26.2.23): only a first guess is made with it."""
+    r = tl.minimum(tl.maximum(tl.minimum(q, 1.0 - q), 1e-12), 0.5)
+    t = tl.sqrt(-2.0 * tl.log(r))
+    x = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(q < 0.5, -x, x)
+
+
+@triton.jit
+def _gaussian_guess(mean, std, n_fin, k, top_p):
+    """Where tau would lie were the values Gaussian: the k-th largest, and the point above which the softmax
+    holds top_p (e^s-weighted Gaussian values are Gaussian again, the mean moved up by std^2)."""
+    t_k = mean + std * _probit(1.0 - k.to(tl.float32) / tl.maximum(n_fin, 1).to(tl.float32))
+    t_p = mean + std * std - std * _probit(top_p)
+    guess = tl.where(k < n_fin, t_k, float("-inf"))
+    return tl.where(top_p < 1.0, tl.maximum(guess, t_p), guess)
+
+
+@triton.jit
+def _interpolate(lo, hi, s_min, cl, ml, ch, mh, k, pz):
+    """The count / mass crossing inside (lo, hi], linearly interpolated between the bracket's ends (an
+    open lower end starts at the row's smallest finite value)."""
+    base = tl.where(lo == float("-inf"), s_min, lo)
+    fk = tl.where(cl >= k, (cl - k + 1).to(tl.float32) / tl.maximum(cl - ch, 1).to(tl.float32), 0.0)
+    fp = tl.where(ml >= pz, (ml - pz) / tl.maximum(ml - mh, 1e-30), 0.0)
+    return base + tl.minimum(tl.maximum(fk, fp), 1.0) * (hi - base)
+
+
+@triton.jit
+def _place_probes(lo, hi, s_min, guess, first):
+    """Eight probe values strictly inside (lo, hi): four around the guess (±1/64, ±1/16 of the bracket),
+    a quarter, half and three quarters across, and the middle of its float ordering (progress even in a
+    bracket a few ulps wide). On the first pass probe 0 is lo itself: what min_p keeps, Z."""
+    j = tl.arange(0, NUM_PROBES)
+    base = tl.where(lo == float("-inf"), s_min, lo)
+    w = hi - base
+    d = w * 0.015625
+    off = tl.where(j == 2, -4.0 * d, tl.where(j == 3, -d, tl.where(j == 4, d, 4.0 * d)))
+    t = tl.where(j < 2, base + w * (0.25 + 0.5 * j), guess + off)
+    t = tl.where(j == 6, base + 0.5 * w, t)
+    olo = _ordered(lo).to(tl.int64)
+    ohi = _ordered(hi).to(tl.int64)
+    o = tl.where(j == 7, (olo + ohi) // 2, _ordered(t).to(tl.int64))
+    o = tl.minimum(tl.maximum(o, olo + 1), ohi - 1)
+    return tl.where(first & (j == 0), lo, _from_ordered(o.to(tl.int32)))
+
+
+@triton.jit
+def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr):
+    """#{s > t} and the mass sum(e^(s - m)) over s > t for each probe t: one read of the row, counted lane
+    by lane ([probes, BLOCK / 2] accumulators: registers) and reduced once."""
+    HALF: tl.constexpr = BLOCK // 2
+    cnt = tl.zeros([probes.shape[0], HALF], tl.int32)
+    mass = tl.zeros([probes.shape[0], HALF], tl.float32)
+    for start in tl.range(0, V, HALF, num_stages=STAGES):
+        s = _load_scaled(src, start + tl.arange(0, HALF), V, scale)
+        e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
+        above = s[None, :] > probes[:, None]
+        cnt += above.to(tl.int32)
+        mass += tl.where(above, e[None, :], 0.0)
+    return tl.sum(cnt, 1), tl.sum(mass, 1)
+
+
+@triton.jit
+def _keeps(cnt, mass, k, pz):
+    """Whether a value with ``cnt`` larger values of mass ``mass`` is kept (monotone in the value)."""
+    return (cnt < k) & (mass < pz)
+
+
+@triton.jit
+def _narrow(probes, cnt, mass, kept, lo, hi, cl, ml, ch, mh):
+    """lo up to the largest dropped probe, hi down to the smallest kept one, with their counts and masses
+    (both fall as the value rises: the largest dropped probe has the smallest of the dropped ones)."""
+    new_lo = tl.maximum(lo, tl.max(tl.where(kept, float("-inf"), probes), 0))
+    new_hi = tl.minimum(hi, tl.min(tl.where(kept, probes, float("inf")), 0))
+    cl = tl.min(tl.where(kept, cl, cnt), 0)
+    ml = tl.min(tl.where(kept, ml, mass), 0)
+    ch = tl.max(tl.where(kept, cnt, ch), 0)
+    mh = tl.max(tl.where(kept, mass, mh), 0)
+    return new_lo, new_hi, cl, ml, ch, mh
+
+
+@triton.jit
+def _span(lo, hi):
+    return _ordered(hi).to(tl.int64) - _ordered(lo).to(tl.int64)
+
+
+@triton.jit
+def _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, guess, CAP: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Probe passes until at most CAP values lie in (lo, hi], or the bracket holds a single float. The first
+    probes go around ``guess``, later ones around the interpolated crossing."""
+    while (cl - ch > CAP) & (_span(lo, hi) > 1):
+        probes = _place_probes(lo, hi, s_min, guess, False)
+        cnt, mass = _probe_pass(src, scale, V, m, probes, BLOCK)
+        lo, hi, cl, ml, ch, mh = _narrow(probes, cnt, mass, _keeps(cnt, mass, k, pz), lo, hi, cl, ml, ch, mh)
+        guess = _interpolate(lo, hi, s_min, cl, ml, ch, mh, k, pz)
+    return lo, hi, cl, ml, ch, mh
+
+
+# ------------------------------------------------------------------------------- the band
+
+@triton.jit
+def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the values in (lo, hi] and their ids to the band buffer (at most CAP) and, when ``race_sure``,
+    race the values above hi (chunks with none skip the noise). A chunk costs a count (a block-wide
+    reduction), and a scan where it has band values."""
+    tl.debug_barrier()  # the band's previous readers are done
+    nb = 0
+    w_key = float("-inf")
+    w_id = 0
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        s = _load_scaled(src, offs, V, scale)
+        inside = (s > lo) & (s <= hi)
+        n = tl.sum(inside.to(tl.int32), 0)
+        if n > 0:
+            pos = nb + tl.cumsum(inside.to(tl.int32), 0) - 1
+            tl.store(band_v + pos, s, mask=inside & (pos < CAP))
+            tl.store(band_i + pos, offs, mask=inside & (pos < CAP))
+            nb += n
+        if race_sure:
+            w_key, w_id = _race_chunk(s, start, s > hi, row_key, w_key, w_id)
+    tl.debug_barrier()
+    return tl.minimum(nb, CAP), w_key, w_id
+
+
+@triton.jit
+def _band_sorted(band_v, nb, m, CAP: tl.constexpr):
+    j = tl.arange(0, CAP)
+    v = tl.sort(tl.load(band_v + j, mask=j < nb, other=float("-inf")), descending=True)
+    return v, tl.where(j < nb, tl.exp(v - m), 0.0)
+
+
+@triton.jit
+def _band_tau(band_v, nb, m, ch, mh, k, top_p, z, CAP: tl.constexpr):
+    """tau as the sorted rule reads it: sorted position j follows ch + j larger values of mass
+    mh + (its prefix) and is kept while that count < k and that mass < top_p * Z; +inf when the band keeps
+    none. ``z`` < 0: Z is top_k's own mass, that of exactly the k largest (all of them are in the band)."""
+    j = tl.arange(0, CAP)
+    v, e = _band_sorted(band_v, nb, m, CAP)
+    before = mh + (tl.cumsum(e, 0) - e)
+    z = tl.where(z < 0.0, mh + tl.sum(tl.where(ch + j < k, e, 0.0), 0), z)
+    pz = tl.where(top_p >= 1.0, float("inf"), top_p * z)
+    n_keep = tl.sum(((j < nb) & (ch + j < k) & (before < pz)).to(tl.int32), 0)
+    tau = tl.max(tl.where(j == n_keep - 1, v, float("-inf")), 0)
+    return tl.where(n_keep > 0, tau, float("inf"))
+
+
+@triton.jit
+def _band_kth(band_v, nb, m, ch, mh, k, CAP: tl.constexpr):
+    """top_k's k-th largest value (it is in the band), the mass of exactly the k largest, and the count
+    and mass of what is >= that value."""
+    j = tl.arange(0, CAP)
+    v, e = _band_sorted(band_v, nb, m, CAP)
+    vk = tl.max(tl.where(ch + j == k - 1, v, float("-inf")), 0)
+    z = mh + tl.sum(tl.where(ch + j < k, e, 0.0), 0)
+    ge = (j < nb) & (v >= vk)
+    return vk, z, ch + tl.sum(ge.to(tl.int32), 0), mh + tl.sum(tl.where(ge, e, 0.0), 0)
+
+
+@triton.jit
+def _band_race(band_v, band_i, nb, tau, row_key, w_key, w_id, CAP: tl.constexpr):
+    """The band's kept values join the race against the sure values' winner (ties to the lower id)."""
+    j = tl.arange(0, CAP)
+    v = tl.load(band_v + j, mask=j < nb, other=float("-inf"))
+    ids = tl.load(band_i + j, mask=j < nb, other=0)
+    noise = _neg_log_noise(_uniform(_element_hash(row_key, ids)))
+    key = tl.where((j < nb) & (v >= tau), v + noise, float("-inf"))
+    b_key, b_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+    b_id = tl.sum(tl.where(j == b_pos, ids, 0), 0)
+    better = (b_key > w_key) | ((b_key == w_key) & (b_id < w_id) & (b_key > float("-inf")))
+    return tl.where(better, b_id, w_id)
+
+
+# ------------------------------------------------------------------------------ one row
+
+@triton.jit
+def _resolve(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, top_p, z, row_key, band_v, band_i,
+             CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The race among what is kept, once the bracket is narrow: copy the band, find tau in it."""
+    if cl <= CAP:  # all of what lies above lo fits: nothing is sure, top_k's mass is in the band
+        hi = m
+        ch = 0
+        mh = 0.0
+    elif _span(lo, hi) <= 1:  # the band is hi's ties, and hi is kept: all of it is sure
+        hi = lo
+        ch = cl
+        mh = ml
+    nb, w_key, w_id = _compact(src, scale, V, lo, hi, row_key, ch > 0, band_v, band_i, CAP, BLOCK)
+    tau = _band_tau(band_v, nb, m, ch, mh, k, top_p, z, CAP)
+    return _band_race(band_v, band_i, nb, tau, row_key, w_key, w_id, CAP)
+
+
+@triton.jit
+def _top_k_mass(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, row_key, band_v, band_i,
+                CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """top_k with top_p and more than CAP values above the bracket: find the k-th value itself and the mass
+    of the k largest (top_p's Z), then restart the bracket just below it."""
+    if _span(lo, hi) <= 1:  # the k-th value is hi, in a tie group
+        z = mh + (k - ch).to(tl.float32) * tl.exp(hi - m)
+    else:
+        nb, w_key, w_id = _compact(src, scale, V, lo, hi, row_key, False, band_v, band_i, CAP, BLOCK)
+        vk, z, cl, ml = _band_kth(band_v, nb, m, ch, mh, k, CAP)
+        lo = _prev(vk)
+    return lo, cl, ml, z
+
+
+@triton.jit
+def _pick(x, i):
+    return tl.sum(tl.where(tl.arange(0, x.shape[0]) == i, x, 0), 0)
+
+
+@triton.jit
+def _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, band_v, band_i,
+                 CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """top_p without top_k (min_p in lo): one pass over two probes measures lo (Z: what min_p keeps) and the
+    race winner's value; the winner over all tokens is the answer when it is kept (most rows), else search."""
+    pair = tl.where(tl.arange(0, 2) == 0, lo, tl.maximum(s_w, lo))
+    cnt, mass = _probe_pass(src, scale, V, m, pair, BLOCK)
+    cl = _pick(cnt, 0)
+    z = _pick(mass, 0)
+    pz = top_p * z
+    k = tl.full((), NO_LIMIT, tl.int32)
+    token = w_id
+    if (s_w <= lo) | (_keeps(_pick(cnt, 1), _pick(mass, 1), k, pz) == 0):
+        guess = _gaussian_guess(mean, std, cl, k, top_p)
+        lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, z, cl * 0, z * 0.0, k, pz, guess,
+                                         CAP, BLOCK)
+        token = _resolve(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, top_p, z, row_key, band_v, band_i, CAP, BLOCK)
+    return token
+
+
+@triton.jit
+def _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, lo, band_v, band_i,
+                 CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """top_k (then top_p; min_p in lo): the first probe pass measures lo itself (what min_p keeps), the rest
+    search for the k-th value; with top_p, Z is top_k's own mass, read off the band (or found first when
+    more than CAP values lie above the bracket)."""
+    probes = _place_probes(lo, m, s_min, _gaussian_guess(mean, std, n_fin, k, top_p), True)
+    cnt, mass = _probe_pass(src, scale, V, m, probes, BLOCK)
+    cl = _pick(cnt, 0)
+    ml = _pick(mass, 0)
+    k = tl.where(k < cl, k, NO_LIMIT)  # top_k at or above what min_p leaves: off
+    z = tl.where((k == NO_LIMIT) | (top_p >= 1.0), ml, -1.0)  # < 0: top_k's own mass, found below
+    pz = tl.where((top_p >= 1.0) | (z < 0.0), float("inf"), top_p * z)
+    kept = _keeps(cnt, mass, k, pz)
+    lo, hi, cl, ml, ch, mh = _narrow(probes, cnt, mass, kept, lo, m, cl, ml, 0, 0.0)
+    guess = _interpolate(lo, hi, s_min, cl, ml, ch, mh, k, pz)
+    lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, hi, cl, ml, ch, mh, k, pz, guess, CAP, BLOCK)
+    if (z < 0.0) & (cl > CAP):
+        lo, cl, ml, z = _top_k_mass(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, row_key, band_v, band_i,
+                                    CAP, BLOCK)
+        pz = top_p * z
+        guess = _interpolate(lo, m, s_min, cl, ml, 0, 0.0, k, pz)
+        lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, ml, cl * 0, ml * 0.0, k, pz, guess,
+                                         CAP, BLOCK)
+    return _resolve(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, top_p, z, row_key, band_v, band_i, CAP, BLOCK)
+
+
+@triton.jit
+def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p, log_min_p,
+                    band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """min_p keeps s >= max + log(min_p): lo, just below that floor. ``w_id`` raced over all (k == 0)."""
+    lo = float("-inf")
+    if log_min_p > float("-inf"):
+        lo = _prev(m + log_min_p)
+    token = w_id
+    if k > 0:
+        token = _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, lo, band_v, band_i,
+                             CAP, BLOCK)
+    else:
+        s_w = tl.load(src + w_id) * scale
+        if top_p < 1.0:
+            token = _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, band_v,
+                                 band_i, CAP, BLOCK)
+        elif s_w <= lo:  # min_p alone: the winner unless it fell under the floor
+            nb, w_key, token = _compact(src, scale, V, lo, lo, row_key, True, band_v, band_i, CAP, BLOCK)
+    return token
+
+
+@triton.jit
+def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
+    """The raw top-k, value-descending (ties by id), as logprobs."""
+    j = tl.arange(0, TOP_LOGPROBS)
+    key = (_ordered(top_v).to(tl.int64) << 32) | (top_i.to(tl.int64) ^ 0xFFFFFFFF)
+    key = tl.sort(tl.where(j < lp_k, key, -9223372036854775807 - 1), descending=True)
+    v = _from_ordered((key >> 32).to(tl.int32))
+    tl.store(out_id + j, (key & 0xFFFFFFFF) ^ 0xFFFFFFFF, mask=j < top_w)
+    tl.store(out_lp + j, v - lse, mask=j < top_w)
+
+
+@triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w"])
+def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
+                   bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
+                   scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
+                   top_w, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Persistent: program p samples rows p, p + P, ... with its own scratch row and band buffer; with
+    ``record`` it also advances the slot's counter and its token's count (a step's slots are distinct)."""
+    pid = tl.program_id(0)
+    scratch = scratch + pid.to(tl.int64) * V
+    band_v = band_v + pid * CAP
+    band_i = band_i + pid * CAP
+    for row in range(pid, B, tl.num_programs(0)):
+        r = tl.cast(row, tl.int64)
+        slot = tl.load(slots + r).to(tl.int64)
+        fp = fparams + slot * NUM_F
+        ip = iparams + slot * NUM_I
+        x_row = logits + r * stride
+        counter = tl.load(generated + slot)
+        inv_t = tl.load(fp + F_INV_TEMPERATURE)
+        rep = tl.load(fp + F_REPETITION)
+        freq = tl.load(fp + F_FREQUENCY)
+        pres = tl.load(fp + F_PRESENCE)
+        pen = (has_penalty_state != 0) & ((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+        n_bias = tl.load(ip + I_NUM_BIAS).to(tl.int32)
+        n_ban = tl.where(counter < tl.load(ip + I_MIN_TOKENS), tl.load(ip + I_NUM_BAN), 0).to(tl.int32)
+        src = x_row
+        scale = inv_t
+        if (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0)):
+            _prepare_row(x_row, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V, in_prompt + slot * V,
+                         bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
+                         BLOCK)
+            src = scratch
+            scale = 1.0
+        sampled = tl.load(fp + F_TEMPERATURE) != 0.0
+        k = tl.load(ip + I_TOP_K).to(tl.int32)
+        top_p = tl.load(fp + F_TOP_P)
+        log_min_p = tl.load(fp + F_LOG_MIN_P)
+        lp_k = tl.load(ip + I_LOGPROBS).to(tl.int32)
+        row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
+        m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i = _stats_pass(
+            src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, BLOCK)
+        if sampled:
+            if (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
+                token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
+                                        log_min_p, band_v, band_i, CAP, BLOCK)
+            else:
+                token = w_id
+        tl.store(out_token + r, token.to(tl.int64))
+        if record != 0:
+            tl.store(generated + slot, counter + 1)
+            if has_penalty_state != 0:
+                tl.atomic_add(counts + slot * V + token, 1)
+        tl.store(out_k + r, lp_k.to(tl.int64))
+        if lp_k >= 0:
+            tl.store(out_lp + r, tl.load(x_row + token) - lse)
+            _write_top(top_v, top_i, lp_k, lse, out_top_id + r * top_w, out_top_lp + r * top_w, top_w)
+
+
+# ---------------------------------------------------------------------------------- launch
+
+class SamplingWorkspace:
+    """Device scratch the kernel reuses every step: per program a band buffer and (allocated the first time
+    a step has bias, a ban or penalties) a processed row."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.config = config_for(vocab_size)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        self.programs = sms * self.config.programs_per_sm
+        self.band_v = torch.empty(self.programs, self.config.cap, dtype=torch.float32, device=device)
+        self.band_i = torch.empty(self.programs, self.config.cap, dtype=torch.int32, device=device)
+        self.rows: torch.Tensor | None = None
+        self.dummy = torch.zeros(16, dtype=torch.int32, device=device)
+
+    def scratch_rows(self) -> torch.Tensor:
+        if self.rows is None:
+            self.rows = torch.empty(self.programs, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.rows
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned: what the compiled kernel was specialised for (a view or a broadcast
+    row would be a new specialisation, compiled mid-serving)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous().clone()
+
+
+def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Features,
+                ws: SamplingWorkspace, record: bool = False) -> DeviceSample:
+    """Tokens (and raw logprobs when ``f.logprobs``) for ``logits`` [B, V] and distinct ``slots`` [B]: one
+    launch, no sync (batch 1's budget is tens of microseconds: no fills, no gathers around it). ``record``:
+    advance the counters and penalty counts in the same launch. Logprob entries of rows with k = -1 are
+    undefined (``DeviceSample.to_host`` reads k)."""
+    b, v = logits.shape
+    logits, slots = _aligned(logits.float()), _aligned(slots.long())
+    dev = logits.device
+    top_w = f.max_logprobs if f.logprobs else 0
+    tokens = torch.empty(b, dtype=torch.int64, device=dev)  # apart: a view's alignment is a specialisation
+    k = torch.empty(b, dtype=torch.int64, device=dev)
+    lp = torch.empty(b, dtype=torch.float32, device=dev)
+    top_ids = torch.empty(b, max(top_w, 1), dtype=torch.int64, device=dev)
+    top_lp = torch.empty(b, max(top_w, 1), dtype=torch.float32, device=dev)
+    has_pen = t.output_counts is not None and (f.penalties or record)
+    counts = t.output_counts if has_pen else ws.dummy
+    in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
+    prepare = f.bias or f.ban or has_pen
+    scratch = ws.scratch_rows() if prepare else ws.band_v
+    cfg = ws.config
+    if b > 0:
+        _sample_kernel[(min(b, ws.programs),)](
+            logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
+            t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
+            int(has_pen), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
+            max(top_w, 1), CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    if not f.logprobs:
+        return DeviceSample(tokens)
+    return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
+
+
+def sample_rows_ref(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Features,
+                    ws: SamplingWorkspace | None = None) -> DeviceSample:
+    """The twin: the torch path (engine.sampler), which is also the CPU sampler."""
+    return sm.torch_sample(logits.float(), slots, t, f)
+
+
+def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int]) -> None:
+    """Compile the kernel and launch it once per batch size (outputs dropped, counters untouched). Its one
+    variant serves every parameter mix: what differs per row is branched on at run time."""
+    v = ws.vocab_size
+    for b in batch_sizes:
+        logits = torch.zeros(b, v, dtype=torch.float32, device=ws.device)
+        slots = torch.arange(b, device=ws.device) % t.fparams.shape[0]
+        sample_rows(logits, slots, t, Features(logprobs=True, max_logprobs=1), ws)

@@ -1,0 +1,132 @@
+"""Run under TRITON_INTERPRET=1 (see test_kernels_interpreted.py): the sampling kernel (engine.cuda.sampling),
+executed by Triton's CPU interpreter, against its twin, the torch path: the same hash bit for bit, the same
+token for the same logits and counters, the same raw logprobs, and a row's token independent of its batch."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from engine.cuda.sampling import config_for, counter_hash_rows, counter_hash_rows_ref, sample_rows, sample_rows_ref
+from engine.params import SamplingParams as P
+from engine.sampler import Sampler, seed_key
+
+MIXES = [P(temperature=0.0), P(temperature=1.0), P(temperature=1.0, top_p=0.9), P(temperature=0.8, top_k=50),
+         P(temperature=1.0, min_p=0.05), P(temperature=0.7, top_k=40, top_p=0.95, logprobs=20),
+         P(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+           logit_bias={3: 2.0, 7: -100.0}, logprobs=5),
+         P(temperature=1.3, top_k=600, top_p=0.5), P(temperature=1.0, top_p=0.3, min_p=0.02),
+         P(temperature=0.5, min_tokens=2, stop_token_ids=[5], top_p=0.8), P(temperature=0.0, logprobs=3),
+         P(temperature=2.0, top_p=0.999, top_k=1),
+         # sharp edges: an off-by-one in top_k or at the min_p floor changes these rows' tokens often
+         P(temperature=1.0, top_k=1), P(temperature=1.5, top_k=2), P(temperature=1.0, min_p=1.0),
+         P(temperature=1.0, top_k=5000, min_p=0.1)]  # top_k above what min_p leaves: off
+
+ROWS = {  # logits of every kind the threshold search must survive
+    "flat": lambda n, v, g: torch.randn(n, v, generator=g),
+    "peaked": lambda n, v, g: torch.randn(n, v, generator=g) * 6,
+    "bf16 ties": lambda n, v, g: (torch.randn(n, v, generator=g) * 3).bfloat16().float(),
+    "half -inf": lambda n, v, g: torch.where(torch.rand(n, v, generator=g) < 0.5, -math.inf,
+                                             torch.randn(n, v, generator=g)),
+    "all equal": lambda n, v, g: torch.zeros(n, v),
+}
+
+
+def check_hash() -> None:
+    keys = torch.tensor([seed_key(s) for s in (0, 1, 2 ** 40, -5)])
+    counters = torch.tensor([0, 1, 2 ** 31 + 7, 2 ** 32 - 1])
+    h, log_e = counter_hash_rows(keys, counters, 700)
+    want_h, want_log_e = counter_hash_rows_ref(keys, counters, 700)
+    assert torch.equal(h, want_h), "the kernel's counter hash differs from engine.sampler.counter_hash"
+    assert torch.allclose(log_e, want_log_e, rtol=1e-5, atol=1e-6), (log_e - want_log_e).abs().max()
+
+
+def admit(vocab: int, params: list[P], seed: int = 100) -> Sampler:
+    sampler = Sampler(len(params), vocab, "cpu", use_kernel=True)
+    for slot, p in enumerate(params):
+        sampler.reset_slot(slot, p, seed=seed + slot, prompt_token_ids=[1, 2, 3], eos_token_ids=[0])
+    return sampler
+
+
+def check_same_as_twin(vocab: int, kind: str, steps: int) -> None:
+    """Tokens equal and logprobs within 1e-5, several steps (penalty counts and counters advance)."""
+    sampler = admit(vocab, MIXES)
+    gen = torch.Generator().manual_seed(vocab)
+    for step in range(steps):
+        logits = ROWS[kind](len(MIXES), vocab, gen)
+        slots = torch.randperm(len(MIXES), generator=gen)
+        f = sampler._features()
+        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
+        want = sample_rows_ref(logits, slots, sampler.tables, f)
+        assert got.tokens.tolist() == want.tokens.tolist(), (vocab, kind, step, got.tokens, want.tokens)
+        assert torch.equal(got.logprobs_k, want.logprobs_k)
+        asked = want.logprobs_k >= 0
+        assert torch.allclose(got.logprobs[asked], want.logprobs[asked], atol=1e-5), (vocab, kind, step)
+        raw = torch.log_softmax(logits, dim=1)
+        for row, k in enumerate(want.logprobs_k.tolist()):
+            if k > 0:  # the k largest values; with ties any k of the equal ones, so check each id's own value
+                assert torch.allclose(got.top_logprobs[row, :k], want.top_logprobs[row, :k], atol=1e-5)
+                assert torch.allclose(raw[row, got.top_ids[row, :k]], got.top_logprobs[row, :k], atol=1e-5)
+                if kind in ("flat", "peaked"):
+                    assert got.top_ids[row, :k].tolist() == want.top_ids[row, :k].tolist(), (vocab, kind, row)
+        sampler._record(slots, want.tokens)
+
+
+def check_recording(vocab: int = 1000) -> None:
+    """The kernel advancing the counters and penalty counts itself == the torch path's recording."""
+    fast, slow = admit(vocab, MIXES), admit(vocab, MIXES)
+    slow._kernel = None
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        logits, slots = torch.randn(len(MIXES), vocab, generator=gen), torch.randperm(len(MIXES), generator=gen)
+        got, want = fast.sample(logits, slots), slow.sample(logits, slots)
+        assert got.token_ids == want.token_ids
+        assert all(math.isclose(a, b, abs_tol=1e-5) or math.isnan(a) and math.isnan(b)
+                   for a, b in zip(got.logprobs, want.logprobs))
+        assert [len(t) for t in got.top_logprobs] == [len(t) for t in want.top_logprobs]
+    assert torch.equal(fast._generated, slow._generated) and torch.equal(fast.output_counts, slow.output_counts)
+
+
+def check_batch_invariance(vocab: int = 1000) -> None:
+    """One sequence's tokens alone, among neighbours, at other rows and batch sizes, and with programs
+    looping over several rows each: always the same."""
+    target = P(temperature=0.9, top_p=0.7, top_k=300)
+    gen = torch.Generator().manual_seed(3)
+    seq = [torch.randn(vocab, generator=gen) * 2 for _ in range(2)]
+    runs = []
+    for batch in (1, 5, 11):
+        params = [target] + MIXES[:batch - 1]
+        sampler = admit(vocab, params, seed=0)
+        sampler.reset_slot(0, target, seed=42, prompt_token_ids=[])
+        row = batch // 2
+        slots = torch.tensor([s for s in range(1, batch) if s <= row] + [0] + [s for s in range(1, batch) if s > row])
+        tokens = []
+        for logits in seq:
+            batch_logits = torch.randn(batch, vocab, generator=gen)
+            batch_logits[row] = logits
+            tokens.append(sampler.sample(batch_logits, slots).token_ids[row])
+        runs.append(tokens)
+    assert runs[0] == runs[1] == runs[2], runs
+    assert config_for(vocab).cap < vocab  # the band is smaller than the row: the search really ran
+
+
+def check_warm_up() -> None:
+    sampler = admit(300, MIXES[:3])
+    before = sampler._generated.clone()
+    sampler.warm_up([1, 3])
+    assert torch.equal(sampler._generated, before)
+
+
+if __name__ == "__main__":
+    check_hash()
+    for kind in ROWS:
+        check_same_as_twin(1000, kind, steps=1 if kind == "all equal" else 2)
+    check_same_as_twin(4096, "flat", steps=1)
+    check_same_as_twin(4096, "peaked", steps=1)
+    check_recording()
+    check_batch_invariance()
+    check_warm_up()
+    print("sampling checks passed")
+    sys.exit(0)
