@@ -16,9 +16,9 @@ class EngineConfig:
     state_dtype: str = "float32"  # wkv state
     backend: str = "auto"  # auto = cuda kernels on a GPU, reference otherwise
     max_num_seqs: int = 256  # concurrent sequences (state slots)
-    max_num_batched_tokens: int = 4096  # tokens per step: decodes + admitted prompt chunks
-    prefill_per_decode: float = 2.0  # while sequences decode: prompt tokens per step per decoding one (0: no cap)
-    min_prefill_chunk: int = 1024  # ... but at least this many (engine.scheduler)
+    max_num_batched_tokens: int = 8192  # tokens per step: decodes + admitted prompt chunks
+    prefill_per_decode: float = 3.0  # while sequences decode: prompt tokens per step per decoding one (0: no cap)
+    min_prefill_chunk: int = 2048  # ... but at least this many (engine.scheduler)
     max_model_len: int = 1 << 20  # prompt + output tokens per sequence
     enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.90

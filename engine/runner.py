@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -88,19 +89,24 @@ class ModelRunner:
         slots and leaves them zeroed; a no-op on the reference path (nothing to compile)."""
         if self.backend == "reference":
             return
+        timings, t0 = {}, time.perf_counter()
         graphs = getattr(self.model, "graphs", None)
         if graphs is not None:
             for bs in reversed(graphs.sizes):
                 if bs not in graphs.graphs:
                     graphs.capture(bs)
+        timings["graphs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
         slots = list(range(min(8, self.num_slots)))
         for chunks in ([[1]], [[1] * 15], [[1] * 16], [[1] * 7, [2] * 9, [3] * 33],
                        [[1] * max(1, max_prefill_tokens // len(slots))] * len(slots)):
             self.model.prefill(chunks, slots[:len(chunks)])
         self.pool.reset(to_device(slots, torch.long, self.device))
-        if hasattr(self.sampler, "warm_up"):
-            self.sampler.warm_up(graphs.sizes if graphs is not None else [1, self.num_slots])
         torch.cuda.synchronize(self.device)
+        timings["prefill_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+        self.sampler.warm_up(graphs.sizes if graphs is not None else [1, self.num_slots])
+        torch.cuda.synchronize(self.device)
+        timings["sampler_s"] = time.perf_counter() - t0
+        log.info("warm-up parts", extra={k: round(v, 2) for k, v in timings.items()})
 
     def launch(self, batch: SchedulerOutput) -> LaunchedStep | None:
         """Queue the step's prefill chunks, decodes and sampling on the device and start the sampled tokens'

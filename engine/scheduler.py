@@ -68,8 +68,8 @@ class SlotAllocator:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_per_decode: float = 2.0,
-                 min_prefill_chunk: int = 1024):
+    def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_per_decode: float = 3.0,
+                 min_prefill_chunk: int = 2048):
         self.slots = SlotAllocator(num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_per_decode = prefill_per_decode

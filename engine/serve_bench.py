@@ -8,6 +8,7 @@ allows: output tokens at the model-only decode rate of this batch plus prompt to
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, replace
 
@@ -118,6 +119,8 @@ def pct(values: list[float], q: float) -> float:
 
 def bench_serve(engine, workloads: list[Workload]) -> list[list]:
     engine.warm_up()
+    gc.collect()
+    gc.freeze()  # as the worker does: a full collection over the loaded engine stalls a step by ~0.2 s
     rows = []
     for w in workloads:
         run_workload(engine, replace(w, num_requests=min(w.num_requests, max(4, w.concurrency // 4)),

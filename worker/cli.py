@@ -19,7 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     g.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences (default 256 on GPU, 32 on CPU)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per step (decodes + prompt chunks); a prefill step's host work is ~fixed, so "
+                        "large steps keep the GPU busy")
     g.add_argument("--max-model-len", type=int, default=1 << 20)
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -136,6 +138,7 @@ def use_triton_cache(data_dir: Path) -> None:
     Triton is imported; an explicit TRITON_CACHE_DIR wins)."""
     import os
     os.environ.setdefault("TRITON_CACHE_DIR", str((data_dir / "triton-cache").resolve()))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # autotuning results too
 
 
 def check_worker(redis_url: str, name: str | None) -> int:

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.cuda.graphs import DecodeGraphs
+from engine.cuda.varlen import PackedChunks
+from engine.device import to_device
 from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, lora_up, pack_time_mix_in,
                                  prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out, relu_square_, small_matmul,
                                  small_matmul_partials, split_k, time_mix_in, wkv7_decode)
@@ -202,20 +204,19 @@ class CudaRwkv7:
         """``prefill``, and for each chunk ``i`` in ``score`` = {i: (targets, k)}: the logprobs of ``targets``
         predicted by the chunk's first ``len(targets)`` positions (``engine.scoring``)."""
         device = self.emb.device
-        lengths = [len(c) for c in chunks]
-        cu_cpu = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
-        cu = cu_cpu.to(device, non_blocking=True)
-        tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+        packed = PackedChunks([len(c) for c in chunks], device, DECAY_LOWER_BOUND)
+        cu_cpu, cu = packed.cu_cpu, packed.cu
+        tokens = to_device([t for c in chunks for t in c], torch.long, device)
         boundaries = torch.full((2, len(tokens)), -1, dtype=torch.int32)  # first token → slot; last → sequence
         boundaries[0, cu_cpu[:-1]] = torch.tensor(slots, dtype=torch.int32)
         boundaries[1, cu_cpu[1:] - 1] = torch.arange(len(chunks), dtype=torch.int32)
-        prev_slot, end_seq = boundaries.to(device, non_blocking=True)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        prev_slot, end_seq = boundaries.pin_memory().to(device, non_blocking=True)
+        slot_t = to_device(slots, torch.long, device)
         x = self.emb[tokens]
         v_first = None
         for i, L in enumerate(self.layers):
             mixed = prefill_ln_shift_mix(x, L.ln1, self.pool.att_shift[i], slot_t, prev_slot, end_seq, L.att_mix)
-            att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, cu, cu_cpu, v_first)
+            att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, packed, v_first)
             x.addmm_(att, L.output.t())
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
             self._channel_mix(L, kx, x)
@@ -224,9 +225,7 @@ class CudaRwkv7:
                   for i, (targets, k) in score.items()}
         return self._head(self._normed(x[cu[1:] - 1])), scores
 
-    def _prefill_time_mix(self, i, L: Layer, mixed, slots, cu, cu_cpu, v_first):
-        from fla.ops.rwkv7 import chunk_rwkv7
-
+    def _prefill_time_mix(self, i, L: Layer, mixed, slots, packed: PackedChunks, v_first):
         T, C = mixed.shape[1], self.shape.n_embd
         H, N = self.shape.n_head, self.shape.head_size
         (r, k, v), up = self._time_mix_projections(L, mixed)
@@ -235,8 +234,7 @@ class CudaRwkv7:
         log_decay, k2, v, a, b, bonus = prefill_mix_in(r, k, v, up[0], up[1], up[2], v_first, L.p, i, H)
         h0 = self.pool.wkv[i][slots].transpose(-1, -2).float().contiguous()  # fla: [N, H, K, V]
         as_heads = lambda t: t.view(1, T, H, N)  # noqa: E731
-        o, h_final = chunk_rwkv7(as_heads(r), as_heads(log_decay), as_heads(k2), as_heads(v), as_heads(a),
-                                 as_heads(b), scale=1.0, initial_state=h0, output_final_state=True,
-                                 cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, lower_bound=DECAY_LOWER_BOUND)
+        o, h_final = packed.scan(as_heads(r), as_heads(log_decay), as_heads(k2), as_heads(v), as_heads(a),
+                                 as_heads(b), h0)
         self.pool.wkv[i][slots] = h_final.transpose(-1, -2).to(self.pool.wkv.dtype)
         return prefill_mix_out(o.view(T, C), v, bonus, up[3], L.p, self.eps), v_first
