@@ -218,11 +218,14 @@ def _cuda_engine(path, **overrides):
 
 
 def _requests(n: int = 12):
+    """Only length finishes: both loops then decode the same rows every step. (A stop seen one step late adds
+    a row to the overlapped loop's next step, and on CUDA a row's logits depend in their last bits on the
+    batch size — the small-batch kernels vs cuBLAS, its algorithm per M — so stops are compared on CPU.)"""
     from engine.params import SamplingParams
     from engine.sequence import Request
     return [Request(f"r{i}", [1 + (i * 31 + k * 7) % 60000 for k in range(5 + 13 * i)],
                     SamplingParams(max_tokens=20 + i, temperature=0.0 if i % 3 == 0 else 1.0, top_p=0.9, seed=i,
-                                   stop=["ab"] if i % 4 == 1 else [], logprobs=2 if i % 5 == 2 else None),
+                                   ignore_eos=True, logprobs=2 if i % 5 == 2 else None),
                     n=2 if i % 6 == 5 else 1) for i in range(n)]
 
 
