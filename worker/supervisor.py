@@ -104,7 +104,7 @@ class Supervisor:
                                *self.args.worker_args)
             self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log"))
         api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
-                           str(self.args.port), "--workers", str(self.args.api_workers),
+                           str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
                            "--model-name", self.args.model_name or Path(self.model).stem, *self.args.api_args)
         self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log"))
 
@@ -203,6 +203,12 @@ Ctrl-C stops everything (workers finish their running requests first).
         print("gaggle: stopped", file=sys.stderr)
 
 
+def default_api_workers() -> int:
+    """A quarter of the cores, 1 to 8: at ~19k streamed tok/s four API processes were each 50-65% busy
+    (BENCHMARKS.md), and the worker, its I/O threads and Redis need cores of their own."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="RWKV-7 .pth or fla-hub directory (default: a demo model, random weights)")
     p.add_argument("--device", default="auto", help="auto (every visible GPU, else CPU) | cpu | cuda | cuda:N")
@@ -210,7 +216,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-port", type=int, default=None, help="port of the embedded Redis (default: a free one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-workers", type=int, default=1)
+    p.add_argument("--api-workers", type=int, default=None,
+                   help=f"API processes (default: a quarter of the cores, 1 to 8; here {default_api_workers()})")
     p.add_argument("--model-name", help="model id clients see (default: the file's name)")
     p.add_argument("--data-dir", default=".gaggle", help="demo model, Redis AOF and logs")
     p.add_argument("--drain-timeout", type=float, default=30.0)
