@@ -15,6 +15,18 @@ from api.errors import OpenAIError
 log = logging.getLogger(__name__)
 
 
+class TrackedSend:
+    """An ASGI ``send`` that remembers whether the response has started (then no other response can be sent)."""
+
+    def __init__(self, send: Send):
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class BodyTooLarge(HTTPException):
     """Raised from ``receive``: FastAPI passes HTTPExceptions from body reading on (others become a 400)."""
 
@@ -39,7 +51,6 @@ class BodySizeLimit:
             await too_large(limit).response()(scope, receive, send)
             return
         seen = 0
-        started = False
 
         async def counted() -> Message:
             nonlocal seen
@@ -50,15 +61,11 @@ class BodySizeLimit:
                     raise BodyTooLarge(limit)
             return message
 
-        async def tracking(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, counted, tracking)
+            await self.app(scope, counted, tracked)
         except BodyTooLarge:
-            if not started:
+            if not tracked.started:
                 await too_large(limit).response()(scope, receive, send)
 
 
@@ -76,17 +83,11 @@ class CatchAll:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, receive, tracking)
+            await self.app(scope, receive, tracked)
         except Exception:
             log.exception("unhandled error", extra={"path": scope.get("path")})
-            if started:  # mid-response: nothing valid can follow; let the server close the connection
+            if tracked.started:  # mid-response: nothing valid can follow; let the server close the connection
                 raise
             await OpenAIError(500, "internal server error", type="server_error").response()(scope, receive, send)

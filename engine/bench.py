@@ -114,7 +114,6 @@ def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BAT
                 slots = torch.arange(b, device="cuda")
                 times.append(cuda_time_ms(lambda: sampler.sample_device(x[:b], slots), iters=20))
             rows.append([name, f"σ={sigma:g}"] + [f"{ms:.3f}" for ms in times])
-        del sampler
     return table(f"Sampler (fused kernel, sample_device), vocab {vocab:,}: ms per step",
                  ["parameters", "logits"] + [f"batch {b}" for b in batches], rows)
 
@@ -300,7 +299,7 @@ def bench_serve_cmd(device: str, shape: str, concurrency: int | None) -> str:
         weights = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=65536, seed=0))
         workloads = [Workload(f"{c} concurrent, T=1", c, 2 * c, 16, 32), Workload("1 stream, T=1", 1, 2, 16, 64),
                      Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
-        title = f"Serving loop in-process, tiny model (2 × 128) on one core"
+        title = "Serving loop in-process, tiny model (2 × 128) on one core"
     else:
         c = concurrency or 1024
         p = PRESETS[shape]
