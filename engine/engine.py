@@ -34,16 +34,18 @@ SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, weights: Rwkv7Weights | None = None,
-                 tokenizer: WorldTokenizer | None = None):
+                 tokenizer: WorldTokenizer | None = None, runner=None):
+        """``runner``: a ModelRunner stand-in (engine.synthetic) instead of one built from the weights."""
         self.config = config
-        if weights is None:
-            if config.model is None:
-                raise ValueError("EngineConfig.model is required (or pass weights)")
-            weights = load_model(config.model)
         self.tokenizer = tokenizer or WorldTokenizer.default()
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.runner = ModelRunner(config, weights, [self.eos_token_id])
-        self.shape = weights.shape
+        if runner is None:
+            if weights is None:
+                if config.model is None:
+                    raise ValueError("EngineConfig.model is required (or pass weights)")
+                weights = load_model(config.model)
+            runner = ModelRunner(config, weights, [self.eos_token_id])
+        self.runner = runner
         self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens, config.prefill_per_decode,
                                    config.min_prefill_chunk)
         self._seed_rng = random.Random(config.seed)
@@ -66,7 +68,7 @@ class LLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.shape.vocab_size
+        return self.runner.vocab_size
 
     @property
     def num_running(self) -> int:
@@ -84,7 +86,7 @@ class LLMEngine:
 
     def validate(self, request: Request) -> None:
         """Raise ValueError, naming the field and the limit, for a request the engine cannot run."""
-        vocab = self.shape.vocab_size
+        vocab = self.runner.vocab_size
         if request.request_id in self._sequences:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if not 1 <= request.n <= self.num_slots:

@@ -52,6 +52,10 @@ class ModelRunner:
                                               "state_bytes_per_seq": self.state_bytes_per_seq})
 
     @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @property
     def state_bytes_per_seq(self) -> int:
         return StatePool.bytes_per_slot(self.shape, self.dtype, self.state_dtype)
 

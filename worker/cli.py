@@ -105,15 +105,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.check:
         return check_worker(args.redis_url, args.name)
     use_triton_cache(Path(args.data_dir))
-    from engine.engine import LLMEngine
-    from engine.weights import ModelFormatError
+    from engine.synthetic import parse_engine_spec
     from worker.reader import NameInUse
     from worker.worker import Worker, WorkerConfig, unique_worker_name
 
-    config = engine_config_from_args(args)
     try:
-        engine = LLMEngine(config)
-    except ModelFormatError as e:
+        engine, config = build_engine(args, parse_engine_spec(args.engine))
+    except ValueError as e:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
     engine.warm_up()  # before the first heartbeat: no request waits for a compilation
@@ -131,6 +129,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def build_engine(args: argparse.Namespace, synthetic_rate: float | None):
+    """The worker's engine and its config: the model's, or (a rate) a synthetic one with no model at all."""
+    from engine.engine import LLMEngine
+    if synthetic_rate is not None:
+        from engine.config import EngineConfig
+        from engine.synthetic import synthetic_engine
+        config = EngineConfig(model="synthetic", device="cpu", max_num_seqs=args.max_num_seqs or 1024,
+                              max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs or 1024),
+                              max_model_len=args.max_model_len)
+        return synthetic_engine(config, synthetic_rate), config
+    config = engine_config_from_args(args)
+    return LLMEngine(config), config  # ModelFormatError is a ValueError
 
 
 def use_triton_cache(data_dir: Path) -> None:
@@ -207,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_redis_arg(p)
     p.add_argument("--name", help="consumer name, unique among live workers (default: <host>-<device>-<random>); "
                                   "a restart under the same name takes over its predecessor's entries at once")
+    p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S (no model: tokens at a fixed "
+                                                    "rate through the real scheduler and I/O, for load tests)")
     p.add_argument("--max-deliveries", type=int, default=3)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")

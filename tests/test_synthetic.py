@@ -1,0 +1,57 @@
+"""The synthetic engine (no model, tokens at a fixed rate) runs the real scheduler, loop and worker I/O: it keeps
+its rate, and two synthetic workers on one real Redis serve every request exactly once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from engine.config import EngineConfig
+from engine.params import SamplingParams
+from engine.sequence import Request
+from engine.synthetic import parse_engine_spec, synthetic_engine
+from tests.queue_helpers import log_of, pending_count, start_worker, submit, wait_results
+
+
+def test_engine_spec():
+    assert parse_engine_spec("real") is None and parse_engine_spec("synthetic:80000") == 80000.0
+    for bad in ("synthetic", "synthetic:0", "gpu:3"):
+        with pytest.raises(ValueError):
+            parse_engine_spec(bad)
+
+
+def test_synthetic_engine_keeps_its_rate_and_the_engine_semantics():
+    engine = synthetic_engine(EngineConfig(model="synthetic", device="cpu", max_num_seqs=32), tokens_per_s=4000)
+    for i in range(20):
+        engine.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True, seed=i)))
+    engine.add(Request("stop", [1, 2], SamplingParams(max_tokens=100, stop=["river"], seed=0)))
+    t0, tokens, texts, finish = time.perf_counter(), 0, {}, {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens += len(out.token_ids)
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    wall = time.perf_counter() - t0
+    assert tokens >= 2000 and finish["r0"] == "length"
+    assert 2000 / 4000 <= wall < 3 * (tokens / 4000 + 0.2)  # never faster than its rate; not much slower here
+    assert finish["stop"] == "stop" and "river" not in texts["stop"]  # a real engine's stop handling
+    assert "goose" in texts["r3"]
+
+
+def test_two_synthetic_workers_serve_every_request_once(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    rids = [f"syn-{i}" for i in range(200)]
+    for i, rid in enumerate(rids):
+        submit(r, rid, [1, 2, 3], max_tokens=16 + i % 5, ignore_eos=True)
+    workers = [start_worker(redis_url, "unused", f"syn{k}", "--engine", "synthetic:1000", "--burst",
+                            "--max-num-seqs", "64") for k in range(2)]
+    for w in workers:
+        assert w.wait(timeout=120) == 0, log_of(w)
+    results = wait_results(r, rids, 5)
+    assert all(res.completion_tokens == 16 + i % 5 and res.status == "completed"
+               for i, res in enumerate(results[rid] for rid in rids))
+    assert {res.worker for res in results.values()} == {"syn0", "syn1"}
+    assert pending_count(r) == 0
