@@ -22,9 +22,8 @@ import redis
 from engine.engine import LLMEngine
 from engine.sequence import Request
 from worker import contract as c
-from worker.reader import OWNER_GONE, Incoming, ReaderConfig
 from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
-from worker.reader import CANCELLED
+from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
 from worker.results import InFlight
 
