@@ -16,11 +16,15 @@ from api.errors import install_error_handlers
 from api.generation import GenerationService
 from api.metrics import Metrics, MetricsMiddleware
 from api.middleware import BodySizeLimit, CatchAll
-from api.routers import chat, completions, health, metrics, models, requests
+from api.batch.files import MAX_UPLOAD_BYTES, DirectoryStore
+from api.batch.service import BatchService, FileService
+from api.routers import batches, chat, completions, files, health, metrics, models, requests
 from api.settings import Settings
 from engine.tokenizer import WorldTokenizer
 
 log = logging.getLogger(__name__)
+
+UPLOAD_BODY_BYTES = MAX_UPLOAD_BYTES + (1 << 20)  # a file upload's limit, multipart framing included
 
 
 @asynccontextmanager
@@ -33,6 +37,8 @@ async def lifespan(app: FastAPI):
     generation = GenerationService(broker, tokenizer, settings, app.state.metrics)
     app.state.broker, app.state.tokenizer, app.state.generation = broker, tokenizer, generation
     app.state.async_requests = AsyncRequests(generation)
+    app.state.files = FileService(broker.redis, DirectoryStore(settings.files_dir))
+    app.state.batches = BatchService(broker.redis, app.state.files, settings)
     log.info("api started", extra={"model": settings.model_name, "auth": app.state.keys.enabled,
                                    "max_queue": settings.max_queue})
     try:
@@ -53,9 +59,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.started = int(time.time())
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, limit_for=lambda path: settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, limit_for=lambda path: UPLOAD_BODY_BYTES if path == "/v1/files"
+                       else settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(CatchAll)  # outermost of ours: inside it, everything answers
-    for module in (completions, chat, models, requests, health, metrics):
+    for module in (completions, chat, models, requests, files, batches, health, metrics):
         app.include_router(module.router)
     return app

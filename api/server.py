@@ -12,6 +12,7 @@ FLAG_SETTINGS = {  # argparse dest -> Settings field
     "max_prompt_tokens": "max_prompt_tokens", "model_name": "model_name", "max_model_len": "max_model_len",
     "request_timeout": "request_timeout_s", "max_n": "max_n", "max_queue_per_tenant": "max_queue_per_tenant",
     "max_sequences_per_call": "max_sequences_per_call", "max_body_bytes": "max_body_bytes",
+    "files_dir": "files_dir",
 }
 
 
@@ -24,6 +25,7 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-per-tenant", type=int, help="429 above this many of one tenant's (0: no own limit)")
     p.add_argument("--max-sequences-per-call", type=int, help="400 above this many prompts × n in one call (256)")
     p.add_argument("--max-body-bytes", type=int, help="413 above this request body size (4 MiB)")
+    p.add_argument("--files-dir", help="the Batch API's file store, shared with the batch workers (.gaggle/files)")
     p.add_argument("--max-prompt-tokens", type=int)
     p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit")
     p.add_argument("--max-n", type=int)

@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     chat_assistant_template: str = "Assistant: {content}\n\n"
     chat_generation_prompt: str = "Assistant:"
     chat_default_stop: list[str] = ["\n\nUser:"]
+    # Batch API
+    files_dir: str = ".gaggle/files"  # the file store, shared by the API and the batch workers
+    batch_window: int = Field(4096, ge=1)  # a batch's lines in flight at a time
+    batch_completion_window_s: int | None = Field(None, ge=1)  # tests: shorter than the "24h" clients ask for
     log_level: str | None = None  # set: configure logging in each API process (uvicorn --workers spawns)
     log_format: str = "json"
 

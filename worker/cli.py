@@ -240,6 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 
+    from worker.batch_cli import add_batch_args, add_batch_worker_args, cmd_batch, cmd_batch_worker
+    p = sub.add_parser("batch", help="submit, follow, cancel and download OpenAI batches")
+    add_batch_args(p)
+    p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("batch-worker", help="run batch jobs (RQ) from the batch queue")
+    add_redis_arg(p)
+    add_batch_worker_args(p)
+    p.set_defaults(func=cmd_batch_worker)
+
     p = sub.add_parser("api", help="serve the OpenAI-compatible HTTP API (imports no torch)")
     add_redis_arg(p)
     from api.server import add_api_args

@@ -132,6 +132,41 @@ WORKER_REGISTRY = PREFIX + "workers"  # sorted set: worker name -> time of its l
 WORKER_REGISTRY_RETENTION_S = 3600.0  # names silent this long are dropped; liveness is the heartbeat key's TTL
 
 
+# -- files and batches (the Batch API; api/batch/) ------------------------------------------------
+#    file:<id>              hash    a stored file's metadata (its bytes are in the file store); TTL to its expiry
+#    files:<tenant>         zset    file id -> created_at, for listing
+#    batch:<id>             hash    a batch's fields (status, timestamps, counts, ...); TTL BATCH_TTL_S
+#    batches:<tenant>       zset    batch id -> created_at, for listing
+#    batches:active         set     batches not yet in a terminal state (batch workers resume those nobody runs)
+#    batch-lease:<id>       string  held (TTL) by the one batch runner executing the batch
+#    rq:queue:gaggle-batches        RQ's queue of batch jobs (BATCH_QUEUE)
+
+BATCH_QUEUE = "gaggle-batches"
+BATCH_TTL_S = 30 * 24 * 3600  # batch records, and batch files without an explicit expiry
+BATCH_LEASE_TTL_S = 6.0  # renewed every poll (0.2 s); a dead runner is found this long after
+BATCHES_ACTIVE = PREFIX + "batches:active"
+
+
+def file_key(file_id: str) -> str:
+    return f"{PREFIX}file:{file_id}"
+
+
+def files_index(tenant: str) -> str:
+    return f"{PREFIX}files:{tenant}"
+
+
+def batch_key(batch_id: str) -> str:
+    return f"{PREFIX}batch:{batch_id}"
+
+
+def batches_index(tenant: str) -> str:
+    return f"{PREFIX}batches:{tenant}"
+
+
+def batch_lease_key(batch_id: str) -> str:
+    return f"{PREFIX}batch-lease:{batch_id}"
+
+
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
