@@ -74,6 +74,8 @@ class Janitor:
 
 
 def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
+    from api.batch.runner import shared_tokenizer
+    shared_tokenizer()  # before the first fork
     client = redis.Redis.from_url(redis_url)
     queue = Queue(c.BATCH_QUEUE, connection=client)
     stop = threading.Event()
