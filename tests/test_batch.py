@@ -296,3 +296,28 @@ def test_uploads_are_checked(stack, client):
                                    expires_after={"anchor": "created_at", "seconds": 3600})
     assert expiring.expires_at == expiring.created_at + 3600
     assert stack["r"].ttl(c.file_key(expiring.id)) > 3500
+
+
+def test_the_cli_submits_follows_and_downloads(stack, tmp_path):
+    path = write_lines(tmp_path / "cli.jsonl", 12, max_tokens=4)
+    env = {**os.environ, "OPENAI_API_KEY": KEY_A}
+    cli = [sys.executable, "-m", "worker.cli", "batch"]
+    url = ["--base-url", stack["api"].url]
+    done = subprocess.run([*cli, "submit", str(path), "--wait", *url], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    batch_id = done.stdout.splitlines()[0]
+    assert json.loads(done.stdout[done.stdout.index("{"):])["status"] == "completed"
+    assert "12/12" in done.stderr and "tok/s" in done.stderr  # the progress bar's last state
+    out = tmp_path / "out.jsonl"
+    got = subprocess.run([*cli, "download", batch_id, "-o", str(out), *url], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert sorted(json.loads(line)["custom_id"] for line in out.read_text().splitlines()) == \
+        sorted(f"req-{i}" for i in range(12))
+    status = subprocess.run([*cli, "status", batch_id, *url], cwd=REPO, env=env, capture_output=True, text=True)
+    assert json.loads(status.stdout)["request_counts"]["completed"] == 12
+    listed = subprocess.run([*cli, "list", *url], cwd=REPO, env=env, capture_output=True, text=True)
+    assert batch_id in listed.stdout
+    missing = subprocess.run([*cli, "status", "batch_nope", *url], cwd=REPO, env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and "404" in missing.stderr
