@@ -8,14 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import orjson
 import pytest
-import redis
 
 from tests.queue_helpers import REPO, STARTED, log_of, start_worker
 from tests.test_api_support import ApiServer, flushed, wait_for

@@ -50,17 +50,17 @@ class FileService:
         return meta
 
     async def get(self, tenant: str, file_id: str) -> FileMeta:
-        raw = await self.redis.hgetall(c.file_key(file_id))
-        meta = FileMeta.decode(raw) if raw else None
-        if meta is None or meta.tenant != tenant:
-            raise not_found("file", file_id)
-        return meta
+        return await owned(self.redis, c.file_key(file_id), FileMeta.decode, tenant, "file", file_id)
 
     async def list(self, tenant: str, after: str | None, limit: int, order: str, purpose: str | None) -> dict:
-        ids = await self.redis.zrange(c.files_index(tenant), 0, -1, desc=order == "desc")
-        ids = [i.decode() for i in ids]
-        metas = [m for m in await self._metas(ids) if m is not None and (purpose is None or m.purpose == purpose)]
-        return page([m.openai() for m in metas], after, limit)
+        index = c.files_index(tenant)
+        ids = [i.decode() for i in await self.redis.zrange(index, 0, -1, desc=order == "desc")]
+        metas = await self._metas(ids)
+        expired = [file_id for file_id, meta in zip(ids, metas) if meta is None]
+        if expired:  # their metadata expired: drop them from the index too
+            await self.redis.zrem(index, *expired)
+        kept = [m for m in metas if m is not None and (purpose is None or m.purpose == purpose)]
+        return page([m.openai() for m in kept], after, limit)
 
     async def _metas(self, ids: list[str]) -> list[FileMeta | None]:
         pipe = self.redis.pipeline(transaction=False)
@@ -121,11 +121,7 @@ class BatchService:
         return batch
 
     async def get(self, tenant: str, batch_id: str) -> Batch:
-        raw = await self.redis.hgetall(c.batch_key(batch_id))
-        batch = Batch.decode(raw) if raw else None
-        if batch is None or batch.tenant != tenant:
-            raise not_found("batch", batch_id)
-        return batch
+        return await owned(self.redis, c.batch_key(batch_id), Batch.decode, tenant, "batch", batch_id)
 
     async def cancel(self, tenant: str, batch_id: str) -> Batch:
         batch = await self.get(tenant, batch_id)
@@ -141,6 +137,15 @@ class BatchService:
             pipe.hgetall(c.batch_key(batch_id))
         batches = [Batch.decode(raw).openai() for raw in await pipe.execute() if raw]
         return page(batches, after, limit)
+
+
+async def owned(client: aioredis.Redis, key: str, decode, tenant: str, what: str, ident: str):
+    """The record at ``key`` if the tenant owns it; a 404 alike for a missing one and another tenant's."""
+    raw = await client.hgetall(key)
+    record = decode(raw) if raw and b"id" in raw else None
+    if record is None or record.tenant != tenant:
+        raise not_found(what, ident)
+    return record
 
 
 def enqueue_batch(queue: Queue, client: redis.Redis, batch_id: str, window_s: int) -> None:
