@@ -26,6 +26,8 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences-per-call", type=int, help="400 above this many prompts × n in one call (256)")
     p.add_argument("--max-body-bytes", type=int, help="413 above this request body size (4 MiB)")
     p.add_argument("--files-dir", help="the Batch API's file store, shared with the batch workers (.gaggle/files)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to finish the requests in flight (taking no new ones)")
     p.add_argument("--max-prompt-tokens", type=int)
     p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit")
     p.add_argument("--max-n", type=int)
@@ -51,5 +53,5 @@ def serve(args: argparse.Namespace) -> int:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
     uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
-                log_config=None, access_log=False, timeout_graceful_shutdown=10)
+                log_config=None, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

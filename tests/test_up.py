@@ -90,3 +90,79 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
     assert "gaggle is up" in out and "RANDOM weights" in out
     time.sleep(0.5)
     assert not [pid for pid in tree if alive(pid)], "processes of the tree outlived gaggle up"
+
+
+def start_up(data_dir, port: int, *extra: str) -> subprocess.Popen:
+    """``gaggle up`` as a terminal runs it: its own process group, which Ctrl-C signals as a whole."""
+    return subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--device", "cpu", "--port", str(port),
+                             "--data-dir", str(data_dir), *extra], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_ready(port: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except Exception:
+            time.sleep(0.3)
+    raise AssertionError("gaggle up never became ready")
+
+
+def started_ids(log_text: str) -> set[str]:
+    import orjson
+    return {orjson.loads(line[line.index("{"):])["request_id"] for line in log_text.splitlines()
+            if '"request running"' in line}
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_drains_in_order_and_nothing_runs_twice(tmp_path):
+    """SIGINT to the whole foreground group (a terminal's Ctrl-C): the API finishes its requests, the workers
+    write their results, Redis stops last; every client gets its whole answer; a restart generates none again."""
+    import httpx
+    port, data = free_port(), tmp_path / "data"
+    up = start_up(data, port, "--drain-timeout", "20")
+    try:
+        wait_ready(port)
+        outcomes: list = []
+
+        def ask(i: int) -> None:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                               json={"prompt": f"Count {i}", "max_tokens": 80, "ignore_eos": True, "seed": i})
+                outcomes.append(("ok", r.status_code, r.json()))
+            except httpx.HTTPError as e:
+                outcomes.append(("error", repr(e), None))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # under way
+        os.killpg(up.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        up.wait(timeout=90)
+        stopped_in = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    assert up.returncode == 0, up.stderr.read()[-3000:]
+    assert stopped_in < 20 + 30, stopped_in
+    assert len(outcomes) == 6 and all(o[0] == "ok" and o[1] == 200 for o in outcomes), outcomes
+    assert all(o[2]["usage"]["completion_tokens"] == 80 for o in outcomes)  # whole answers
+    first_ids = {o[2]["id"] for o in outcomes}
+    worker_log = next((data / "logs").glob("worker-*.log"))
+    before = worker_log.stat().st_size
+    assert first_ids <= started_ids(worker_log.read_text())
+    again = start_up(data, port)
+    try:
+        wait_ready(port)
+        time.sleep(2)  # a worker replays its own pending entries first thing
+        restarted = started_ids(worker_log.read_text()[before:])
+    finally:
+        os.killpg(again.pid, signal.SIGINT)
+        again.wait(timeout=90)
+    assert not first_ids & restarted, "requests finished before Ctrl-C were generated again"

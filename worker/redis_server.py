@@ -60,7 +60,9 @@ class RedisServer:
                 "--protected-mode", "yes",
                 # a busy API subscriber may lag a burst of deltas: don't drop it at the 8 MB default
                 "--client-output-buffer-limit", "pubsub", "512mb", "128mb", "60", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # a session of its own: a terminal's Ctrl-C reaches whoever started it, who stops it last (after the
+        # workers wrote their results), not Redis first
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._wait_ready(timeout_s)
         return self
 

@@ -109,12 +109,12 @@ class Supervisor:
         api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
                            str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
                            "--model-name", self.args.model_name or Path(self.model).stem, "--files-dir", files,
-                           *self.args.api_args)
+                           "--shutdown-timeout", str(self.args.drain_timeout), *self.args.api_args)
         self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log"))
 
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a stop, a closed terminal
+            signal.signal(sig, self._on_signal)
         if not self.redis_url:
             from worker.redis_server import RedisServer
             self.redis = RedisServer(self.data_dir / "redis", port=self.args.redis_port).start()
@@ -126,8 +126,10 @@ class Supervisor:
         try:
             if self._wait_ready():
                 self._print_banner()
+            status = StatusLine(self.redis_url)
             while not self.stopping:
                 self._restart_crashed()
+                status.maybe_print()
                 time.sleep(0.2)
         finally:
             self.shutdown()
@@ -192,11 +194,19 @@ Ctrl-C stops everything (workers finish their running requests first).
 
     def shutdown(self) -> None:
         self.stopping = True
+        """In order: the API (it finishes the requests it has, up to the drain timeout, taking no new ones), then
+        the workers (they finish what runs and write its results), the batch worker (its job stops at once: a
+        batch resumes from its files), and Redis last, so every result written during the drain is kept."""
         api = [c for c in self.children if c.name == "api"]
-        workers = [c for c in self.children if c.name != "api"]
-        for group, timeout_s in ((api, 15.0), (workers, self.args.drain_timeout + 15.0)):
-            for child in group:
-                child.signal(signal.SIGTERM)
+        batch = [c for c in self.children if c.name == "batch-worker"]
+        workers = [c for c in self.children if c not in api and c not in batch]
+        drain = self.args.drain_timeout + 15.0
+        for group, signals, timeout_s in ((api, (signal.SIGTERM,), drain), (workers, (signal.SIGTERM,), drain),
+                                          (batch, (signal.SIGTERM, signal.SIGTERM), 15.0)):  # RQ: 2nd = stop now
+            for sig in signals:
+                for child in group:
+                    child.signal(sig)
+                time.sleep(0.5 if len(signals) > 1 else 0)
             for child in group:
                 if not child.wait(timeout_s):
                     log.warning("child did not stop; killing", extra={"child": child.name})
@@ -205,6 +215,52 @@ Ctrl-C stops everything (workers finish their running requests first).
         if self.redis is not None:
             self.redis.stop()
         print("gaggle: stopped", file=sys.stderr)
+
+
+class StatusLine:
+    """Every few seconds, when it changed: live workers, running and queued requests, tok/s, running batches."""
+
+    INTERVAL_S = 5.0
+
+    def __init__(self, redis_url: str):
+        import redis
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2)
+        self.last, self.next_at = "", 0.0
+
+    def maybe_print(self) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.INTERVAL_S
+        try:
+            line = cluster_status(self.redis)
+        except Exception as e:  # redis restarting: say nothing rather than something wrong
+            log.debug("status unavailable", extra={"error": str(e)})
+            return
+        if line != self.last:
+            self.last = line
+            print(f"gaggle: {line}", file=sys.stderr, flush=True)
+
+
+def cluster_status(r) -> str:
+    from worker import contract as c
+    names = [n.decode() for n in r.zrange(c.WORKER_REGISTRY, 0, -1)]
+    beats = [c.Heartbeat.decode(b) for b in (r.mget([c.heartbeat_key(n) for n in names]) if names else []) if b]
+    tenants = [t.decode() for t in r.zrange(c.TENANTS, 0, -1)]
+    streams = [c.request_stream(p, t) for t in tenants for p in c.PRIORITIES]
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xlen(stream)
+    in_streams = sum(pipe.execute()) if streams else 0
+    running = sum(w.running for w in beats)
+    parts = [f"{len(beats)} worker{'s' * (len(beats) != 1)}", f"{running} running",
+             f"{max(0, in_streams - running)} queued", f"{sum(w.tokens_per_s for w in beats):,.0f} tok/s"]
+    for batch_id in sorted(b.decode() for b in r.smembers(c.BATCHES_ACTIVE))[:3]:
+        status, total, done, failed = r.hmget(c.batch_key(batch_id), "status", "total", "completed", "failed")
+        if status:
+            parts.append(f"{batch_id[:14]}… {status.decode()} {int(done or 0) + int(failed or 0)}/{int(total or 0)}"
+                         + (f" ({int(failed)} failed)" if failed and int(failed) else ""))
+    return " · ".join(parts)
 
 
 def default_api_workers() -> int:
