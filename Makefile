@@ -2,19 +2,33 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# No NVIDIA GPU here: offer pip PyTorch's CPU builds too (a plain index would give the multi-GB CUDA build)
+TORCH_INDEX := $(if $(shell command -v nvidia-smi 2>/dev/null),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: venv test test-gpu up bench clean
+.PHONY: venv browser test test-gpu up bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "gaggle: creating $(VENV) (the first time takes a minute or two)"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0   # first, so nothing pulls a multi-GB CUDA build on CPU machines
+	@echo "gaggle: installing torch 2.13.0 ($(if $(TORCH_INDEX),CPU build: no NVIDIA GPU found,CUDA build: nvidia-smi found))"
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX)   # first: nothing else may pull another build
+	@echo "gaggle: installing gaggle and its test tools"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
+	@echo "gaggle: $(VENV) is ready"
 
 venv: $(VENV)/.installed
 
-test: venv
+# The status-page test drives Debian's chromium; install it where it is missing (needs root and apt).
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || { \
+	  echo "gaggle: installing chromium and chromium-driver (apt) for the status-page test"; \
+	  (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) || \
+	  echo "gaggle: could not install chromium (not root? no apt?): the browser test will be skipped"; }
+
+test: venv browser
 	$(PY) -m pytest -m "not gpu" -q $(PYTEST_ARGS)
 
 test-gpu: venv

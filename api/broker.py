@@ -194,6 +194,17 @@ class Broker:
             pipe.xlen(stream)
         return dict(zip(streams, await pipe.execute()))
 
+    async def record_error(self, status: int, path: str, message: str) -> None:
+        """Best effort: the status page's list of recent server-side errors (contract.RECENT_ERRORS)."""
+        entry = c.dumps({"time": time.time(), "status": status, "path": path, "message": message[:300]})
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.lpush(c.RECENT_ERRORS, entry)
+            pipe.ltrim(c.RECENT_ERRORS, 0, c.RECENT_ERRORS_KEPT - 1)
+            await pipe.execute()
+        except (RedisError, OSError):
+            pass
+
     async def ping(self) -> bool:
         try:
             return bool(await self.redis.ping())

@@ -18,6 +18,9 @@ TYPE_BY_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 40
                   429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
+PROBES = ("/ready", "/health")  # their 503s say "not ready", they are not errors for the status page
+
+
 class OpenAIError(Exception):
     """An error answered as an OpenAI error object."""
 
@@ -100,7 +103,15 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 async def _on_openai_error(request: Request, exc: OpenAIError) -> JSONBytesResponse:
     if exc.status < 500 and exc.status not in (401, 404, 429):  # those log where they are raised, or are noise
         log.info("request rejected", extra={"path": request.url.path, "status": exc.status, "reason": exc.message})
+    if (exc.status >= 500 or exc.status == 429) and request.url.path not in PROBES:
+        await record_server_error(request.app, exc.status, request.url.path, exc.message)
     return exc.response()
+
+
+async def record_server_error(app, status: int, path: str, message: str) -> None:
+    broker = getattr(app.state, "broker", None)
+    if broker is not None:
+        await broker.record_error(status, path, message)
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONBytesResponse:

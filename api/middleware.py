@@ -10,7 +10,7 @@ from typing import Callable
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import OpenAIError
+from api.errors import OpenAIError, record_server_error
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +91,4 @@ class CatchAll:
             if tracked.started:  # mid-response: nothing valid can follow; let the server close the connection
                 raise
             await OpenAIError(500, "internal server error", type="server_error").response()(scope, receive, send)
+            await record_server_error(scope["app"], 500, scope.get("path", ""), "internal server error")

@@ -138,9 +138,12 @@ WORKER_REGISTRY_RETENTION_S = 3600.0  # names silent this long are dropped; live
 #    batch:<id>             hash    a batch's fields (status, timestamps, counts, ...); TTL BATCH_TTL_S
 #    batches:<tenant>       zset    batch id -> created_at, for listing
 #    batches:active         set     batches not yet in a terminal state (batch workers resume those nobody runs)
+#    errors                 list    the API's latest 5xx, 429 and 503 answers (the status page), RECENT_ERRORS_KEPT
 #    batch-lease:<id>       string  held (TTL) by the one batch runner executing the batch
 #    rq:queue:gaggle-batches        RQ's queue of batch jobs (BATCH_QUEUE)
 
+RECENT_ERRORS = PREFIX + "errors"  # list: the API's latest server-side errors (the status page), capped
+RECENT_ERRORS_KEPT = 100
 BATCH_QUEUE = "gaggle-batches"
 BATCH_TTL_S = 30 * 24 * 3600  # batch records, and batch files without an explicit expiry
 BATCH_LEASE_TTL_S = 6.0  # renewed every poll (0.2 s); a dead runner is found this long after

@@ -1,0 +1,81 @@
+"""The live status page: GET /dashboard (a static page from dashboards/, no build step) and the JSON it polls,
+GET /dashboard/status.json: workers, queues, batches, recent errors. With API keys configured, tenant names and
+batch ids stay out of it (the page needs no key)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+from fastapi import APIRouter, Request
+from redis.exceptions import RedisError
+from starlette.responses import FileResponse, Response
+
+from api.broker import Broker
+from api.errors import OpenAIError
+from api.responses import JSONBytesResponse
+from worker import contract as c
+
+router = APIRouter(tags=["dashboard"], include_in_schema=False)
+PAGE = Path(__file__).resolve().parents[2] / "dashboards" / "status.html"
+RECENT = 15
+
+
+@router.get("/dashboard")
+async def dashboard_page() -> Response:
+    return FileResponse(PAGE, media_type="text/html")
+
+
+@router.get("/dashboard/status.json")
+async def dashboard_status(request: Request) -> Response:
+    broker: Broker = request.app.state.broker
+    private = request.app.state.keys.enabled
+    try:
+        return JSONBytesResponse(await status(broker, private))
+    except (RedisError, OSError) as e:
+        raise OpenAIError(503, f"redis is unavailable: {e}", code="redis_unreachable") from None
+
+
+async def status(broker: Broker, private: bool) -> dict:
+    now = time.time()
+    workers = await broker.live_workers()
+    depths = await broker.queue_depth()
+    r = broker.redis
+    pipe = r.pipeline(transaction=False)
+    pipe.smembers(c.BATCHES_ACTIVE)
+    pipe.lrange(c.RECENT_ERRORS, 0, RECENT - 1)
+    pipe.xrevrange(c.STREAM_DEAD, count=RECENT)
+    active, errors, dead = await pipe.execute()
+    batches = await _batches(r, sorted(b.decode() for b in active), private)
+    queues = []
+    for stream, depth in depths.items():
+        priority, tenant = c.stream_priority_tenant(stream)
+        queues.append({"priority": priority, "tenant": None if private else tenant, "depth": depth})
+    return {
+        "time": now,
+        "workers": [{"name": w.name, "device": w.device, "model": w.model, "age_s": round(now - w.ts, 2),
+                     "running": w.running, "free_slots": w.free_slots, "num_slots": w.num_slots,
+                     "tokens_per_s": w.tokens_per_s, "draining": w.draining} for w in workers],
+        "totals": {"tokens_per_s": sum(w.tokens_per_s for w in workers), "running": sum(w.running for w in workers),
+                   "in_streams": sum(depths.values()), "workers": len(workers)},
+        "queues": queues,
+        "batches": batches,
+        "errors": [orjson.loads(e) for e in errors],
+        "dead_letters": [{"id": eid.decode(), "request_id": f.get(b"request_id", b"").decode(),
+                          "reason": f.get(b"reason", b"").decode()[:300]} for eid, f in dead],
+    }
+
+
+async def _batches(r, ids: list[str], private: bool) -> list[dict]:
+    pipe = r.pipeline(transaction=False)
+    for batch_id in ids:
+        pipe.hmget(c.batch_key(batch_id), "status", "total", "completed", "failed", "created_at")
+    out = []
+    for number, (batch_id, values) in enumerate(zip(ids, await pipe.execute()), 1):
+        status, total, done, failed, created = (v.decode() if v else None for v in values)
+        if status:
+            out.append({"id": f"batch {number}" if private else batch_id, "status": status, "total": int(total or 0),
+                        "completed": int(done or 0), "failed": int(failed or 0), "created_at": int(created or 0)})
+    return out
+
