@@ -194,6 +194,20 @@ class Broker:
             pipe.xlen(stream)
         return dict(zip(streams, await pipe.execute()))
 
+    async def active_batches(self) -> list[dict]:
+        """The batches not yet ended: id, status and request counts (the status page, /metrics)."""
+        ids = sorted(b.decode() for b in await self.redis.smembers(c.BATCHES_ACTIVE))
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hmget(c.batch_key(batch_id), "status", "total", "completed", "failed", "created_at")
+        out = []
+        for batch_id, values in zip(ids, await pipe.execute()):
+            status, total, done, failed, created = (v.decode() if v else None for v in values)
+            if status:
+                out.append({"id": batch_id, "status": status, "total": int(total or 0), "completed": int(done or 0),
+                            "failed": int(failed or 0), "created_at": int(created or 0)})
+        return out
+
     async def record_error(self, status: int, path: str, message: str) -> None:
         """Best effort: the status page's list of recent server-side errors (contract.RECENT_ERRORS)."""
         entry = c.dumps({"time": time.time(), "status": status, "path": path, "message": message[:300]})

@@ -87,6 +87,14 @@ class ClusterCollector:
                                 value=sum(w.free_slots for w in workers))
         yield GaugeMetricFamily("gaggle_workers_tokens_per_second", "Generation rate of all live workers",
                                 value=sum(w.tokens_per_s for w in workers))
+        batches: list[dict] = self.snapshot.get("batches", [])
+        yield GaugeMetricFamily("gaggle_batches_active", "Batches not yet ended", value=len(batches))
+        progress = GaugeMetricFamily("gaggle_batch_requests", "Requests of a running batch by state",
+                                     labels=["batch", "state"])
+        for b in batches:
+            for state in ("total", "completed", "failed"):
+                progress.add_metric([b["id"], state], b[state])
+        yield progress
 
 
 class MetricsMiddleware:

@@ -24,6 +24,8 @@ class WorkerMetrics:
         self.running = gauge("gaggle_worker_running_sequences", "Sequences decoding now")
         self.free_slots = gauge("gaggle_worker_free_slots", "State slots free")
         self.gpu_memory = gauge("gaggle_worker_gpu_memory_bytes", "GPU memory allocated by the engine")
+        self.gpu_utilization = gauge("gaggle_worker_gpu_utilization_ratio",
+                                     "GPU busy fraction (NVML, where available; else 0)")
         self.tokens = Counter("gaggle_worker_generated_tokens", "Tokens generated", ["worker"], registry=r).labels(**labels)
         self.requests = Counter("gaggle_worker_requests", "Requests ended, by status", ["worker", "status"], registry=r)
         self.step_seconds = Histogram("gaggle_worker_step_seconds", "Engine step time", ["worker"],
@@ -53,6 +55,7 @@ class WorkerMetrics:
             import torch
             if torch.cuda.is_available():
                 self.gpu_memory.set(torch.cuda.memory_allocated())
+                self.gpu_utilization.set(torch.cuda.utilization() / 100)
         except Exception:
             log.debug("gpu memory probe failed", exc_info=True)
 

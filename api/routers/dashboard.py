@@ -43,11 +43,12 @@ async def status(broker: Broker, private: bool) -> dict:
     depths = await broker.queue_depth()
     r = broker.redis
     pipe = r.pipeline(transaction=False)
-    pipe.smembers(c.BATCHES_ACTIVE)
     pipe.lrange(c.RECENT_ERRORS, 0, RECENT - 1)
     pipe.xrevrange(c.STREAM_DEAD, count=RECENT)
-    active, errors, dead = await pipe.execute()
-    batches = await _batches(r, sorted(b.decode() for b in active), private)
+    errors, dead = await pipe.execute()
+    batches = await broker.active_batches()
+    if private:
+        batches = [{**b, "id": f"batch {i}"} for i, b in enumerate(batches, 1)]
     queues = []
     for stream, depth in depths.items():
         priority, tenant = c.stream_priority_tenant(stream)
@@ -65,17 +66,4 @@ async def status(broker: Broker, private: bool) -> dict:
         "dead_letters": [{"id": eid.decode(), "request_id": f.get(b"request_id", b"").decode(),
                           "reason": f.get(b"reason", b"").decode()[:300]} for eid, f in dead],
     }
-
-
-async def _batches(r, ids: list[str], private: bool) -> list[dict]:
-    pipe = r.pipeline(transaction=False)
-    for batch_id in ids:
-        pipe.hmget(c.batch_key(batch_id), "status", "total", "completed", "failed", "created_at")
-    out = []
-    for number, (batch_id, values) in enumerate(zip(ids, await pipe.execute()), 1):
-        status, total, done, failed, created = (v.decode() if v else None for v in values)
-        if status:
-            out.append({"id": f"batch {number}" if private else batch_id, "status": status, "total": int(total or 0),
-                        "completed": int(done or 0), "failed": int(failed or 0), "created_at": int(created or 0)})
-    return out
 

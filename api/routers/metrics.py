@@ -22,7 +22,8 @@ async def metrics(request: Request) -> Response:
     app_metrics: Metrics = request.app.state.metrics
     cluster: dict = {}
     try:
-        cluster = {"queues": await broker.queue_depth(), "workers": await broker.live_workers()}
+        cluster = {"queues": await broker.queue_depth(), "workers": await broker.live_workers(),
+                   "batches": await broker.active_batches()}
     except (RedisError, OSError) as e:
         log.warning("metrics without the cluster view: redis unavailable", extra={"error": str(e)})
     return Response(app_metrics.exposition(cluster), media_type=CONTENT_TYPE_LATEST)
