@@ -166,3 +166,32 @@ def test_ctrl_c_to_the_process_group_drains_in_order_and_nothing_runs_twice(tmp_
         os.killpg(again.pid, signal.SIGINT)
         again.wait(timeout=90)
     assert not first_ids & restarted, "requests finished before Ctrl-C were generated again"
+
+
+@pytest.mark.slow
+def test_a_batch_completes_through_gaggle_up(tmp_path):
+    """gaggle up starts a batch worker next to the API and the worker, sharing the file store."""
+    import json
+
+    import openai
+    port = free_port()
+    up = start_up(tmp_path / "data", port)
+    try:
+        wait_ready(port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                    "body": {"prompt": f"Line {i}", "max_tokens": 4}}) + "\n" for i in range(20))
+        file = client.files.create(file=("twenty.jsonl", lines.encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 20, batch
+        out = client.files.content(batch.output_file_id).text.splitlines()
+        assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(f"c{i}" for i in range(20))
+        assert (tmp_path / "data" / "files" / batch.output_file_id).exists()  # under gaggle up's data dir
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(timeout=90)
+    assert up.returncode == 0
