@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,8 +85,27 @@ def kill_started(since: int = 0) -> None:
     while len(STARTED) > since:
         proc = STARTED.pop()
         if proc.poll() is None:
-            proc.kill()
+            if getattr(proc, "own_group", False):
+                kill_group(proc)
+            else:
+                proc.kill()
             proc.wait()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started in a session of its own, its group and its children (an RQ worker forks its
+    job process into a session of that process's own)."""
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in children:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def log_of(proc: subprocess.Popen, tail: int = 3000) -> str:

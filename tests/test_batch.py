@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import openai
 import orjson
 import pytest
 
-from tests.queue_helpers import REPO, STARTED, log_of, start_worker
+from tests.queue_helpers import REPO, STARTED, kill_group, log_of, start_worker
 from tests.test_api_support import ApiServer, flushed, wait_for
 from worker import contract as c
 
@@ -30,17 +29,9 @@ def start_batch_worker(redis_url: str, files_dir: Path, name: str) -> subprocess
                              "--redis-url", redis_url, "--files-dir", str(files_dir), "--window", "64"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log_path = log.name
+    proc.own_group = True
     STARTED.append(proc)
     return proc
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the batch worker and the job process RQ forked for the running batch (in a session of its own)."""
-    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    for pid in children:
-        os.kill(int(pid), signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def started_requests(*workers) -> list[str]:
@@ -97,15 +88,19 @@ def stack(redis_server, tiny_model_path, tmp_path_factory):
            for k in range(2)]
     api = ApiServer(redis_server.url, "--files-dir", str(files_dir), "--api-keys-file", str(keys))
     batch_worker = start_batch_worker(redis_server.url, files_dir, "bw0")
+    batch_workers = [batch_worker]
     try:
         api.wait_healthy()
         wait_for(lambda: httpx.get(api.url + "/ready").json().get("workers") == 2, 120, 0.2, "two workers")
-        yield {"r": r, "api": api, "gpu": gpu, "batch_worker": [batch_worker], "files_dir": files_dir, "tmp": tmp,
+        yield {"r": r, "api": api, "gpu": gpu, "batch_worker": batch_workers, "files_dir": files_dir, "tmp": tmp,
                "url": redis_server.url}
     finally:
         api.stop()
         for proc in gpu:
             proc.kill()
+        for proc in batch_workers:  # started at module scope: the per-test reaper leaves them alone
+            if proc.poll() is None:
+                kill_group(proc)
         r.flushdb()
 
 
@@ -238,13 +233,15 @@ def test_cancel_midway_keeps_the_finished_lines(stack, client):
 
 
 def test_a_batch_past_its_window_expires_with_partial_output(redis_server, tiny_model_path, tmp_path):
-    """A window of a few seconds (GAGGLE_BATCH_COMPLETION_WINDOW_S, what tests use for the 24 h clients ask for)."""
-    r = flushed(redis_server.url)
+    """A window of a few seconds (GAGGLE_BATCH_COMPLETION_WINDOW_S, what tests use for the 24 h clients ask for).
+    A database of its own: the module's stack (its batch worker reads another file store) stays out of it."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/7"
+    r = flushed(url)
     files_dir = tmp_path / "files"
-    gpu = start_worker(redis_server.url, str(tiny_model_path), "exp-gpu", "--max-num-seqs", "8")
-    api = ApiServer(redis_server.url, "--files-dir", str(files_dir),
+    gpu = start_worker(url, str(tiny_model_path), "exp-gpu", "--max-num-seqs", "8")
+    api = ApiServer(url, "--files-dir", str(files_dir),
                     env={"GAGGLE_BATCH_COMPLETION_WINDOW_S": "6"}).wait_healthy()
-    start_batch_worker(redis_server.url, files_dir, "bw-exp")
+    start_batch_worker(url, files_dir, "bw-exp")
     try:
         wait_for(lambda: httpx.get(api.url + "/ready").status_code == 200, 120, 0.2, "ready")
         client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
