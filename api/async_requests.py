@@ -93,10 +93,12 @@ class AsyncRequests:
         return obj
 
     def formatter(self, request_id: str, rec: dict, result: c.Result | None = None) -> Formatter:
-        echo = (result.meta or {}).get("echo") if result else None
+        meta = (result.meta or {}) if result else {}
+        echo = meta.get("echo")
         shape = Shape(id=request_id, endpoint=rec.get("endpoint", "completions"),
                       created=int(float(rec.get("created", 0))), model=rec.get("model", ""),
-                      n=int(rec.get("n", 1)), echo_texts=[echo] if echo is not None else None)
+                      n=int(rec.get("n", 1)), echo_texts=[echo] if echo is not None else None,
+                      score_only=bool(meta.get("score_only")), tools=bool(meta.get("tools")))
         return Formatter(shape, self.tokenizer)
 
     # -- events ----------------------------------------------------------------------------------

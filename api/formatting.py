@@ -7,8 +7,9 @@ Worker logprobs arrive as ``[{"token_id", "logprob", "top": [[id, lp], ...]}]`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from api.tools import CallStream, call_id, split_calls
 from engine.tokenizer import WorldTokenizer
 from worker import contract as c
 
@@ -25,6 +26,8 @@ class Shape:
     n: int = 1
     echo_texts: list[str] | None = None  # per prompt, when echo was asked
     include_usage: bool = False
+    score_only: bool = False  # completions with max_tokens 0: the echoed prompt and its logprobs, nothing generated
+    tools: bool = False  # chat with tools: tool calls are read out of the text (api.tools)
 
     @property
     def object(self) -> str:
@@ -40,6 +43,8 @@ class Formatter:
         self.shape = shape
         self.tokenizer = tokenizer
         self._offsets: dict[int, int] = {}  # completions text_offset per choice, across chunks
+        self._calls: dict[int, CallStream] = {}  # chat with tools: each choice's text split as it streams
+        self._num_calls: dict[int, int] = {}
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -99,35 +104,73 @@ class Formatter:
         for p, result in enumerate(results):
             for ch in result.choices:
                 index = p * self.shape.n + ch.index
+                if self.shape.score_only:
+                    ch = scored_only(ch)
                 text = ch.text
                 if self.shape.echo_texts and self.shape.endpoint == "completions":
                     text = self.shape.echo_texts[p] + text
                 choices.append(self._final_choice(index, text, ch))
         return {"id": self.shape.id, "object": self.shape.object, "created": self.shape.created,
                 "model": self.shape.model, "system_fingerprint": None,
-                "choices": sorted(choices, key=lambda x: x["index"]), "usage": usage(results, prompt_tokens)}
+                "choices": sorted(choices, key=lambda x: x["index"]),
+                "usage": usage(results, prompt_tokens, self.shape.score_only)}
 
     def _final_choice(self, index: int, text: str, ch: c.Choice) -> dict:
         out: dict = {"index": index}
+        finish = ch.finish_reason or FINISH_ABORT
         if self.shape.endpoint == "chat":
             out["message"] = {"role": "assistant", "content": text}
+            if self.shape.tools:
+                content, calls = split_calls(text)
+                if calls:
+                    out["message"] = {"role": "assistant", "content": content,
+                                      "tool_calls": [self._tool_call(index, k, call) for k, call in enumerate(calls)]}
+                    finish = "tool_calls" if finish == "stop" else finish
         else:
             out["text"] = text
         prompt = ch.prompt_logprobs if self.shape.echo_texts else None
         out["logprobs"] = self.logprobs(index, ch.logprobs, prompt)
-        out["finish_reason"] = ch.finish_reason or FINISH_ABORT
+        out["finish_reason"] = finish
         out["stop_reason"] = ch.stop_reason
         return out
 
+    def _tool_call(self, index: int, number: int, call: tuple[str, str]) -> dict:
+        name, arguments = call
+        return {"id": call_id(self.shape.id, index, number), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
     # -- stream chunks -----------------------------------------------------------------------
+
+    @staticmethod
+    def chunks_of(response: dict, shape: Shape) -> list[dict]:
+        """A whole (completions) response as the chunks a stream of it would have sent: one per choice, then
+        the usage chunk when asked for."""
+        head = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
+        chunks = [{**head, "object": shape.chunk_object, "choices": [
+            {k: ch[k] for k in ("index", "text", "logprobs", "finish_reason")}]} for ch in response["choices"]]
+        if shape.include_usage:
+            for chunk in chunks:
+                chunk["usage"] = None
+            chunks.append({**head, "object": shape.chunk_object, "choices": [], "usage": response["usage"]})
+        return chunks
 
     def chunk(self, index: int, text: str, *, logprobs: list[dict] | None = None, finish_reason: str | None = None,
               role: bool = False, prompt_logprobs: list[dict] | None = None) -> dict:
         choice: dict = {"index": index}
         if self.shape.endpoint == "chat":
+            calls: list = []
+            if self.shape.tools:
+                text, calls = self._calls.setdefault(index, CallStream()).feed(text, final=finish_reason is not None)
             delta: dict = {"role": "assistant"} if role else {}
             if text or role:
                 delta["content"] = text
+            if calls:
+                first = self._num_calls.get(index, 0)
+                self._num_calls[index] = first + len(calls)
+                delta["tool_calls"] = [{"index": first + k, **self._tool_call(index, first + k, call)}
+                                       for k, call in enumerate(calls)]
+            if finish_reason == "stop" and self._num_calls.get(index):
+                finish_reason = "tool_calls"
             choice["delta"] = delta
         else:
             choice["text"] = text
@@ -148,6 +191,12 @@ class Formatter:
         return out
 
 
-def usage(results: list[c.Result], prompt_tokens: int) -> dict:
-    completion = sum(len(ch.token_ids) for r in results for ch in r.choices)
+def scored_only(ch: c.Choice) -> c.Choice:
+    """A score-only choice: the one token generated to get the prompt scored is dropped."""
+    return replace(ch, text="", token_ids=[], finish_reason="length", stop_reason=None,
+                   logprobs=[] if ch.logprobs is not None else None)
+
+
+def usage(results: list[c.Result], prompt_tokens: int, score_only: bool = False) -> dict:
+    completion = 0 if score_only else sum(len(ch.token_ids) for r in results for ch in r.choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

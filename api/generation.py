@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from redis.exceptions import RedisError
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from api.broker import Broker
 from api.errors import OpenAIError
@@ -21,9 +21,9 @@ from api.jobs import Job
 from api.metrics import Metrics
 from api.pubsub import SubscribeTimeout
 from api.pump import KEEPALIVE, pump
-from api.responses import JSONBytesResponse
+from api.responses import SSE_DONE, JSONBytesResponse, sse_event
 from api.settings import Settings
-from api.streaming import EventStream, StreamSession
+from api.streaming import SSE_HEADERS, EventStream, StreamSession
 from engine.tokenizer import WorldTokenizer
 from worker import contract as c
 
@@ -120,20 +120,28 @@ class GenerationService:
         await self.admit(job)
         inbox: asyncio.Queue = asyncio.Queue()
         await self.submit(job, inbox)
-        if job.stream:
+        if job.stream and not job.shape.score_only:
             return EventStream(StreamSession(self, job, inbox))
         try:
-            return await self._complete(job, inbox, request)
+            ordered = await self._complete(job, inbox, request)
+        except ClientDisconnected:
+            return Response(status_code=STATUS_CLIENT_CLOSED)
         finally:
             await self.release(job, inbox)
+        body = Formatter(job.shape, self.tokenizer).response(ordered, job.prompt_tokens)
+        if job.stream:  # scoring only: nothing to stream token by token, the whole answer as chunks
+            return StreamingResponse(iter([*map(sse_event, Formatter.chunks_of(body, job.shape)), SSE_DONE]),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONBytesResponse(body)
 
-    async def _complete(self, job: Job, inbox: asyncio.Queue, request: Request) -> Response:
+    async def _complete(self, job: Job, inbox: asyncio.Queue, request: Request) -> list[c.Result]:
+        """The results in prompt order; raises ClientDisconnected (after cancelling) if the client leaves."""
         pending = set(job.request_ids)
         try:
             results = await until_disconnected(request, self.collect(inbox, pending, self.deadline(job)))
         except ClientDisconnected:
             self.broker.cancel_soon(sorted(pending), "client disconnected")
-            return Response(status_code=STATUS_CLIENT_CLOSED)
+            raise
         except TimeoutError:
             await self.cancel(sorted(pending), "request timeout")
             raise OpenAIError(504, f"no result within the request timeout ({self.settings.request_timeout_s:g} s); "
@@ -147,7 +155,7 @@ class GenerationService:
                                                 "completion_tokens": result.completion_tokens})
             raise_for_status(result)
             self.metrics.observe_result(job.endpoint, result)
-        return JSONBytesResponse(Formatter(job.shape, self.tokenizer).response(ordered, job.prompt_tokens))
+        return ordered
 
     def deadline(self, job: Job) -> float:
         return job.started + self.settings.request_timeout_s  # loop.time() is time.monotonic() too

@@ -11,7 +11,10 @@ from api.limits import Limits
 from api.prompts import Prompt, completion_prompts, encode, fit_lengths, render_chat
 from api.sampling import chat_params, completion_params
 from api.schemas import ChatCompletionRequest, CompletionRequest
+from api import tools
 from api.settings import Settings
+from api.structured import constraint_of
+from api.unsupported import CHAT_RULES, COMPLETION_RULES, MESSAGE_RULES, check_fields
 from engine.tokenizer import WorldTokenizer
 from worker import contract as c
 
@@ -53,34 +56,58 @@ class Job:
 
 async def completion_job(body: CompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
                          limits: Limits, is_async: bool = False) -> Job:
+    check_fields(body, COMPLETION_RULES, "completions")
     n = _check_n(body.n, limits)
+    if body.best_of is not None and body.best_of != n:
+        raise bad_request(f"best_of is not supported: it must equal n ({n}), got {body.best_of}", "best_of",
+                          "unsupported_field")
     _check_sequences(_num_prompts(body.prompt) * n, settings)
     prompts = await completion_prompts(body.prompt, tokenizer, limits.vocab_size)
     if is_async and len(prompts) > 1:
         raise bad_request("an async request takes one prompt; submit one request per prompt", "prompt")
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise bad_request("max_tokens 0 scores the prompt alone: it needs echo true (and logprobs for the "
+                          "scores)", "max_tokens")
     params = completion_params(body, limits.vocab_size)
+    _constrain(params, constraint_of(body))
     if body.echo and body.logprobs is not None:  # the echoed prompt comes with its logprobs (OpenAI)
         params["prompt_logprobs"] = body.logprobs
     max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit=body.max_tokens is not None)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
-                  include_usage=_include_usage(body))
+                  include_usage=_include_usage(body), score_only=score_only)
     return _job(shape, tenant, prompts, params, max_tokens, bool(body.stream), is_async, settings)
 
 
 async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
                    limits: Limits, is_async: bool = False) -> Job:
+    check_fields(body, CHAT_RULES, "chat")
+    for i, message in enumerate(body.messages):
+        check_fields(message, MESSAGE_RULES, "chat", f"messages[{i}].")
     n = _check_n(body.n, limits)
     _check_sequences(n, settings)
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-    text = render_chat(body.messages, settings, add_generation_prompt)
+    tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = constraint_of(body)
+    if tool_plan.constraint is not None and constraint is not None:
+        raise bad_request("response_format or structured_outputs together with tools is not supported: use "
+                          "tool_choice none, or a tool for the structured answer", "response_format",
+                          "unsupported_field")
+    text = render_chat(body.messages, settings, add_generation_prompt, tool_plan.prompt)
     prompts = [Prompt(await encode(tokenizer, text), text)]
     params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop, limits.vocab_size)
+    _constrain(params, tool_plan.constraint or constraint)
     explicit = body.max_completion_tokens is not None or body.max_tokens is not None
     max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit)
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
-                  model=settings.model_name, n=n, include_usage=_include_usage(body))
+                  model=settings.model_name, n=n, include_usage=_include_usage(body), tools=tool_plan.parse)
     return _job(shape, tenant, prompts, params, max_tokens, bool(body.stream), is_async, settings)
+
+
+def _constrain(params: dict, constraint: dict | None) -> None:
+    if constraint is not None:  # free requests carry no key: their entries stay as they were
+        params["structured"] = constraint
 
 
 def _check_n(n: int | None, limits: Limits) -> int:
@@ -104,6 +131,16 @@ def _check_sequences(count: int, settings: Settings) -> None:
                           "prompt", code="too_many_sequences")
 
 
+def _meta(shape: Shape, prompt: Prompt) -> dict:
+    """What formatting needs back with the result (async requests and batch lines are formatted from it)."""
+    meta: dict = {"echo": prompt.text} if shape.echo_texts else {}
+    if shape.score_only:
+        meta["score_only"] = True
+    if shape.tools:
+        meta["tools"] = True
+    return meta
+
+
 def _include_usage(body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
@@ -117,6 +154,6 @@ def _job(shape: Shape, tenant: str, prompts: list[Prompt], params: dict, max_tok
         c.QueuedRequest(id=rid, prompt_token_ids=p.token_ids, params={**params, "max_tokens": m}, n=shape.n,
                         endpoint=shape.endpoint, model=shape.model, tenant=tenant,
                         stream=stream or is_async, record_text=is_async, created=created, deadline=deadline,
-                        meta={"echo": p.text} if shape.echo_texts else {})
+                        meta=_meta(shape, p))
         for rid, p, m in zip(ids, prompts, max_tokens)]
     return Job(shape, tenant, prompts, requests, stream=stream and not is_async)

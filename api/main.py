@@ -18,7 +18,8 @@ from api.metrics import Metrics, MetricsMiddleware
 from api.middleware import BodySizeLimit, CatchAll
 from api.batch.files import MAX_UPLOAD_BYTES, DirectoryStore
 from api.batch.service import BatchService, FileService
-from api.routers import batches, chat, completions, dashboard, files, health, metrics, models, requests
+from api.routers import (batches, chat, completions, dashboard, files, health, metrics, models, requests,
+                         tokenizer)
 from api.settings import Settings
 from engine.tokenizer import WorldTokenizer
 
@@ -63,6 +64,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        else settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(CatchAll)  # outermost of ours: inside it, everything answers
-    for module in (completions, chat, models, requests, files, batches, health, metrics, dashboard):
+    for module in (completions, chat, models, requests, files, batches, health, metrics, dashboard, tokenizer):
         app.include_router(module.router)
     return app

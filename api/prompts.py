@@ -1,8 +1,10 @@
-"""Prompts: completion prompt forms, the RWKV chat format, tokenization and the length limits."""
+"""Prompts: completion prompt forms, the RWKV chat format (tool calls and results included), tokenization and
+the length limits."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 from api.errors import bad_request
@@ -12,6 +14,7 @@ from api.settings import Settings
 from engine.tokenizer import WorldTokenizer
 
 THREAD_ENCODE_CHARS = 20_000  # longer texts are tokenized off the event loop
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # a tool call's block (api.tools)
 
 
 @dataclass
@@ -54,11 +57,41 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content)
 
 
-def render_chat(messages: list[ChatMessage], settings: Settings, add_generation_prompt: bool) -> str:
-    """RWKV chat format by default: ``System: …\\n\\nUser: …\\n\\nAssistant:``."""
+def call_block(name: str, arguments: str) -> str:
+    """A tool call as the model writes it: a block holding ``{"name", "arguments"}`` (compact JSON)."""
+    try:
+        args = json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        args = arguments
+    return f"{OPEN}\n{{\"name\": {json.dumps(name, ensure_ascii=False)}, \"arguments\": {args}}}\n{CLOSE}"
+
+
+def chat_turns(messages: list[ChatMessage], tools_prompt: str | None = None) -> list[tuple[str, str]]:
+    """(role, text) turns: an assistant's tool calls written as blocks after its text, a tool's result as its
+    text; ``tools_prompt`` (the functions on offer) as a system turn after the leading system turns."""
+    turns = []
+    for m in messages:
+        text = message_text(m)
+        if m.role == "assistant" and m.tool_calls:
+            blocks = "\n".join(call_block(c.function.name, c.function.arguments) for c in m.tool_calls)
+            text = f"{text}\n{blocks}" if text else blocks
+        turns.append((m.role, text))
+    if tools_prompt is not None:
+        lead = 0
+        while lead < len(turns) and turns[lead][0] in ("system", "developer"):
+            lead += 1
+        turns.insert(lead, ("system", tools_prompt))
+    return turns
+
+
+def render_chat(messages: list[ChatMessage], settings: Settings, add_generation_prompt: bool,
+                tools_prompt: str | None = None) -> str:
+    """RWKV chat format by default: ``System: …\\n\\nUser: …\\n\\nAssistant:``; a tool's result is a ``Tool:``
+    turn."""
     templates = {"system": settings.chat_system_template, "developer": settings.chat_system_template,
-                 "user": settings.chat_user_template, "assistant": settings.chat_assistant_template}
-    parts = [templates[m.role].replace("{content}", message_text(m)) for m in messages]
+                 "user": settings.chat_user_template, "assistant": settings.chat_assistant_template,
+                 "tool": settings.chat_tool_template}
+    parts = [templates[role].replace("{content}", text) for role, text in chat_turns(messages, tools_prompt)]
     if add_generation_prompt:
         parts.append(settings.chat_generation_prompt)
     return "".join(parts)

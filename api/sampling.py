@@ -12,7 +12,8 @@ _FIELD = re.compile(r"^(?:each )?([a-z_]+)")
 
 
 def completion_params(body: CompletionRequest, vocab_size: int) -> dict:
-    params = _common(body, body.max_tokens or 16, vocab_size)
+    max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)  # 0 (score only) runs 1, dropped
+    params = _common(body, max_tokens, vocab_size)
     params["logprobs"] = body.logprobs
     return _validated(params, vocab_size)
 

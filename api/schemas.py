@@ -1,4 +1,6 @@
-"""Request bodies (OpenAI fields plus vLLM's extensions). Unknown fields are ignored; types are strict.
+"""Request bodies (OpenAI fields plus vLLM's extensions). Types are strict. Fields OpenAI defines and Gaggle
+does not implement are declared loosely (``Any``) so that ``api.unsupported`` can answer them with a 400 naming
+them; unknown fields are kept aside (``model_extra``) to be logged once, then ignored.
 
 Ranges here keep values sane and JSON-safe and document them in the OpenAPI schema; the engine's
 ``SamplingParams.validate`` then has the last word (cross-field rules, vocabulary).
@@ -7,7 +9,7 @@ Ranges here keep values sane and JSON-safe and document them in the OpenAPI sche
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -28,7 +30,29 @@ Count = Annotated[int, Field(ge=0, le=INT32)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # always compact here: see README
 
 
 class StreamOptions(_Body):
@@ -59,13 +83,25 @@ class SamplingFields(_Body):
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
     stop_token_ids: list[TokenId] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # hints that cannot change an answer: accepted (README, "Fields")
+    metadata: dict[str, Text] | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
+    # defined by OpenAI, not implemented: refused by api.unsupported when they carry a value
+    store: Any = None
+    service_tier: Any = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: Annotated[int, Field(ge=0, le=INT32)] | None = None  # 0: score the prompt (echo) only
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    suffix: Any = None
 
 
 class TextPart(_Body):
@@ -73,9 +109,48 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
+    # defined by OpenAI, not implemented (api.unsupported)
+    audio: Any = None
+    refusal: Any = None
+    function_call: Any = None
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -84,6 +159,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool | None = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # defined by OpenAI, not implemented (api.unsupported)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
 
 class AsyncCompletionRequest(CompletionRequest):

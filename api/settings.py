@@ -31,6 +31,7 @@ class Settings(BaseSettings):
     chat_system_template: str = "System: {content}\n\n"
     chat_user_template: str = "User: {content}\n\n"
     chat_assistant_template: str = "Assistant: {content}\n\n"
+    chat_tool_template: str = "Tool: {content}\n\n"  # a tool's result (role "tool")
     chat_generation_prompt: str = "Assistant:"
     chat_default_stop: list[str] = ["\n\nUser:"]
     # Batch API

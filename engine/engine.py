@@ -9,6 +9,11 @@ runs t+1, and returns step t's outputs. Sampled tokens stay on the device and
 feed the next decode; a sequence that stops at step t is known one step late,
 and the token step t+1 sampled for it is dropped (never emitted or counted).
 Same seed, same tokens as the serial loop (``async_scheduling=False``).
+
+Constrained sequences (``params.structured``): a step's sampling needs each one's grammar mask, which needs the
+previous step's token. So a step queues the model first, then reads the previous step's tokens (the device is
+on the model by then), advances the matchers, fills the masks, and queues the sampling; steps without
+constrained rows never wait here.
 """
 
 from __future__ import annotations
@@ -16,8 +21,12 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import Future
+
+import torch
 
 from engine.config import EngineConfig
+from engine.device import to_device
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import SampleOutput
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -51,6 +60,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._sequences: dict[str, list[Sequence]] = {}
         self._launched: LaunchedStep | None = None  # on the device; finished by the next step()
+        self._grammars = None  # engine.grammar.Grammars, made for the first constrained request
+        self._mask_rows: list[torch.Tensor] = []  # two host buffers of bitmask rows, used in turn
 
     # -- public API ---------------------------------------------------------------
 
@@ -101,12 +112,37 @@ class LLMEngine:
                              f"({self.config.max_model_len})")
         request.params.validate(vocab_size=vocab)
 
+    @property
+    def grammars(self):
+        if self._grammars is None:
+            from engine.grammar import Grammars
+            self._grammars = Grammars(self.tokenizer.id_to_token_bytes, self.vocab_size, [self.eos_token_id])
+        return self._grammars
+
+    def prepare(self, request: Request) -> Future | None:
+        """Start compiling the request's constraint, if it has one and it is not compiled yet: a caller that
+        cannot wait (the worker's loop) adds the request once the future is done. None: add it now."""
+        spec = request.params.structured
+        if spec is None:
+            return None
+        future = self.grammars.submit(spec)
+        return None if future.done() else future
+
     def add(self, request: Request) -> None:
-        """Queue a request; raises ValueError if it cannot run (nothing is queued then)."""
+        """Queue a request; raises ValueError if it cannot run (nothing is queued then). A constraint not
+        compiled yet is compiled first (``prepare`` avoids the wait)."""
         self.validate(request)
         if not request.prompt_token_ids:
             request.prompt_token_ids = [self.eos_token_id]  # an empty prompt starts a new document
+        compiled = None
+        if request.params.structured is not None:
+            if self.runner.backend == "synthetic":
+                raise ValueError("a synthetic engine takes no constrained requests")
+            compiled = self.grammars.compile(request.params.structured)
         seqs = [Sequence(request, i, self._text_stream(request)) for i in range(request.n)]
+        for s in seqs:
+            if compiled is not None:
+                s.matcher = self.grammars.matcher(compiled)
         base = request.params.seed if request.params.seed is not None else self._seed_rng.getrandbits(63)
         max_output = min(request.params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
         for s in seqs:
@@ -140,24 +176,69 @@ class LLMEngine:
 
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; finish the previous one (overlapped) or this one (serial); their outputs."""
-        previous, self._launched = self._launched, self._launch()
+        previous = self._launched
+        self._launched = self._launch(previous)
         outputs = self._finish_step(previous) if previous is not None else []
         if not self.config.async_scheduling and self._launched is not None:
             outputs += self._finish_step(self._launched)
             self._launched = None
         return outputs
 
-    def _launch(self) -> LaunchedStep | None:
+    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return None
         self.runner.admit(batch.admitted)
-        launched = self.runner.launch(batch)
+        launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
         self._complete_prefills(batch)
         return launched
 
     def _finish_step(self, step: LaunchedStep) -> list[SequenceOutput]:
-        return self._postprocess(step.seqs, self.runner.collect(step))
+        return self._postprocess(step.seqs, self._collect(step))
+
+    def _collect(self, step: LaunchedStep) -> SampleOutput:
+        """A step's sampled tokens, read once; they move the constrained sequences' matchers."""
+        if step.output is None:
+            step.output = self.runner.collect(step)
+            self._advance_matchers(step.seqs, step.output.token_ids)
+        return step.output
+
+    # -- constrained decoding ------------------------------------------------------------
+
+    def _write_masks(self, seqs: list[Sequence], previous: LaunchedStep | None) -> None:
+        """The constrained rows' allowed tokens for the sampling about to be queued (called once the model is)."""
+        constrained = [s for s in seqs if s.matcher is not None]
+        if not constrained:
+            return
+        if previous is not None:
+            self._collect(previous)  # its tokens first: the masks follow from them
+        rows = self._next_mask_rows()[:len(constrained)]
+        live = [i for i, s in enumerate(constrained) if not (s.matcher.is_terminated() or s.grammar_rejected)]
+        if len(live) < len(constrained):  # ended on their last token (known next step): anything, it is dropped
+            rows.fill_(-1)
+        self.grammars.fill([constrained[i].matcher for i in live], rows, live)
+        slots = to_device([s.slot for s in constrained], torch.long, self.runner.sampler.device)
+        self.runner.sampler.write_masks(slots, rows)
+
+    def _next_mask_rows(self) -> torch.Tensor:
+        """A host buffer for this step's bitmask rows; two in turn, so a copy still in flight (the previous
+        step's) never reads a buffer being filled."""
+        if not self._mask_rows:
+            device = self.runner.sampler.device
+            shape = (self.num_slots, self.grammars.words)
+            self._mask_rows = [torch.zeros(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+                               for _ in range(2)]
+        self._mask_rows.reverse()
+        return self._mask_rows[0]
+
+    def _advance_matchers(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        for seq, token in zip(seqs, tokens):
+            if seq.matcher is None or seq.is_finished or seq.grammar_rejected:
+                continue
+            if not seq.matcher.accept_token(token):
+                seq.grammar_rejected = True
+                log.error("grammar refused a sampled token", extra={"request_id": seq.request_id,
+                                                                    "index": seq.index, "token": token})
 
     # -- internals ----------------------------------------------------------------
 
@@ -200,6 +281,10 @@ class LLMEngine:
             return self._finish(seq, FinishReason.STOP, token, stream.finish())
         if token == self.eos_token_id and not params.ignore_eos:
             return self._finish(seq, FinishReason.STOP, None, stream.finish())
+        if seq.matcher is not None and (seq.matcher.is_terminated() or seq.grammar_rejected):
+            reason = FinishReason.ABORT if seq.grammar_rejected else FinishReason.STOP
+            return self._finish(seq, reason, None, stream.finish() if token == self.eos_token_id else
+                                stream.push(token) + stream.finish())
         text = stream.push(token, armed=num_out >= params.min_tokens)  # stop strings from min_tokens on (vLLM)
         if stream.stopped:
             return self._finish(seq, FinishReason.STOP, stream.stop_str, text)

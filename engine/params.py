@@ -6,12 +6,15 @@ OpenAI API for the penalties (additive presence / frequency penalties).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_STRUCTURED_BYTES = 256 * 1024  # what one constraint may weigh on the wire
 
 
 @dataclass
@@ -33,6 +36,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    structured: dict | None = None  # constrained decoding: {"type", "value"} (engine.grammar)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -71,6 +75,8 @@ class SamplingParams:
             if vocab_size is not None:
                 _check(0 <= token_id < vocab_size,
                        f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+        if self.structured is not None:
+            validate_structured(self.structured)
         if vocab_size is not None:
             for token_id in self.stop_token_ids:
                 _check(0 <= token_id < vocab_size,
@@ -110,6 +116,27 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def spec_key(spec: dict) -> str:
+    """A constraint's identity: its canonical JSON (the grammar cache's key)."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def validate_structured(spec: object) -> None:
+    """A constraint's shape (cheap, no xgrammar); compiling it says the rest. ValueError naming the problem."""
+    _check(isinstance(spec, dict) and spec.get("type") in STRUCTURED_KINDS,
+           f"structured must be an object whose type is one of {', '.join(STRUCTURED_KINDS)}")
+    kind, value = spec["type"], spec.get("value")
+    if kind == "choice":
+        _check(isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value),
+               "structured choice needs a non-empty list of non-empty strings")
+    elif kind in ("json_schema", "structural_tag"):
+        _check(isinstance(value, (dict, str)), f"structured {kind} needs an object")
+    elif kind != "json_object":
+        _check(isinstance(value, str) and bool(value), f"structured {kind} needs a non-empty string")
+    _check(len(spec_key(spec)) <= MAX_STRUCTURED_BYTES,
+           f"structured {kind} is larger than {MAX_STRUCTURED_BYTES} bytes")
 
 
 # -- wire types (see SamplingParams.from_wire) -----------------------------------------------------
@@ -163,6 +190,11 @@ def _logit_bias(name: str, value: object) -> dict[int, float]:
     return out
 
 
+def _structured(name: str, value: object) -> dict:
+    validate_structured(value)
+    return value
+
+
 _WIRE_KINDS = {
     "max_tokens": lambda n, v: _int(n, v, 1, MAX_TOKEN_ID),
     "min_tokens": lambda n, v: _int(n, v, 0, MAX_TOKEN_ID),
@@ -177,4 +209,5 @@ _WIRE_KINDS = {
     "stop_token_ids": _token_ids,
     "include_stop_str_in_output": _bool,
     "ignore_eos": _bool,
+    "structured": lambda n, v: None if v is None else _structured(n, v),
 }

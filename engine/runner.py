@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ class LaunchedStep:
     """A step queued on the device: the sequences of its rows, in order, and its results on their way."""
     seqs: list[Sequence]
     sample: PendingSample
+    output: SampleOutput | None = None  # once read (LLMEngine reads each step once)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,10 +114,13 @@ class ModelRunner:
         timings["sampler_s"] = time.perf_counter() - t0
         log.info("warm-up parts", extra={k: round(v, 2) for k, v in timings.items()})
 
-    def launch(self, batch: SchedulerOutput) -> LaunchedStep | None:
+    def launch(self, batch: SchedulerOutput,
+               before_sample: Callable[[list[Sequence], torch.Tensor], None] | None = None) -> LaunchedStep | None:
         """Queue the step's prefill chunks, decodes and sampling on the device and start the sampled tokens'
         copy to the host; returns without waiting for the GPU. Decodes read their input tokens from
-        ``last_tokens`` (what the previous step sampled, still on the device)."""
+        ``last_tokens`` (what the previous step sampled, still on the device). ``before_sample(seqs, slots)``
+        runs once the model is queued and before the sampling is (grammar masks: the host works while the
+        device runs the model)."""
         seqs: list[Sequence] = []
         logits: list[torch.Tensor] = []
         timing = self._record_event() if self.step_events is not None else None
@@ -139,6 +144,8 @@ class ModelRunner:
             return None
         slots = to_device([s.slot for s in seqs], torch.long, self.device)
         rows = logits[0] if len(logits) == 1 else torch.cat(logits)  # a decode-only step copies nothing
+        if before_sample is not None:
+            before_sample(seqs, slots)
         sample = self.sampler.sample_device(rows.float(), slots)
         self.last_tokens[slots] = sample.tokens
         for s in seqs:

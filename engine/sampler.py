@@ -14,6 +14,9 @@ Processing order follows vLLM, penalties follow the OpenAI meanings:
 4. ``temperature == 0`` -> argmax; otherwise multiply by 1 / temperature
 5. ``min_p``, then ``top_k``, then ``top_p`` (on what is left), then sample.
 
+Constrained rows (``params.structured``) also drop every token their grammar's bitmask forbids, after the
+penalties (``engine.grammar`` fills each step's masks before the sampling is launched).
+
 Logprobs are taken from the raw logits (vLLM's default ``raw_logprobs``).
 
 Randomness is counter-based: the uniform for (slot seed, tokens generated so
@@ -59,8 +62,8 @@ _V_MAX = 1.0 - 2.0 ** -24
 # columns of the per-slot parameter tables (the kernel reads the same)
 F_TEMPERATURE, F_TOP_P, F_MIN_P, F_PRESENCE, F_FREQUENCY, F_REPETITION, F_INV_TEMPERATURE, F_LOG_MIN_P = range(8)
 NUM_F = 8
-I_TOP_K, I_MIN_TOKENS, I_LOGPROBS, I_SEED_KEY, I_NUM_BIAS, I_NUM_BAN = range(6)
-NUM_I = 6
+I_TOP_K, I_MIN_TOKENS, I_LOGPROBS, I_SEED_KEY, I_NUM_BIAS, I_NUM_BAN, I_MASKED = range(7)
+NUM_I = 7
 
 
 def mix32(x: torch.Tensor | int) -> torch.Tensor | int:
@@ -172,6 +175,7 @@ class SlotTables(NamedTuple):
     vocab_keys: torch.Tensor              # [V] int64
     output_counts: torch.Tensor | None    # [S, V] int32, allocated when a slot first needs penalties
     prompt_mask: torch.Tensor | None      # [S, V] bool
+    masks: torch.Tensor | None = None     # [S, ceil(V / 32)] int32 allowed-token bits, where I_MASKED; else None
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class Features:
     penalties: bool = False
     logprobs: bool = False
     max_logprobs: int = 0
+    mask: bool = False
 
     @classmethod
     def of(cls, live: list[tuple[SamplingParams, bool]]) -> Features:
@@ -199,11 +204,12 @@ class Features:
                    top_k=any(p.top_k > 0 for p in sampled), bias=any(p.logit_bias for p, _ in live),
                    ban=any(ban for _, ban in live), penalties=any(p.needs_penalties for p, _ in live),
                    logprobs=any(p.logprobs is not None for p, _ in live),
-                   max_logprobs=max((p.logprobs or 0 for p, _ in live), default=0))
+                   max_logprobs=max((p.logprobs or 0 for p, _ in live), default=0),
+                   mask=any(p.structured is not None for p, _ in live))
 
     @classmethod
     def everything(cls, max_logprobs: int = 0) -> Features:
-        return cls(True, True, True, True, True, True, True, True, True, max_logprobs)
+        return cls(True, True, True, True, True, True, True, True, True, max_logprobs, True)
 
 
 # ------------------------------------------------------------- the torch path (CPU, and the kernel's twin)
@@ -223,7 +229,8 @@ def process_logits(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: 
 
     Never modifies ``logits`` (the raw values are still needed for logprobs).
     """
-    if not (f.bias or f.ban or f.penalties):
+    masked = f.mask and t.masks is not None
+    if not (f.bias or f.ban or f.penalties or masked):
         return logits
     out = logits.clone()
     if f.bias:
@@ -236,7 +243,22 @@ def process_logits(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: 
         out.scatter_add_(1, t.ban_ids[slots], ban)
     if f.penalties and t.output_counts is not None:
         out = _apply_penalties(out, slots, t)
+    if masked:
+        out = _apply_masks(out, slots, t)
     return out
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask rows [B, W] -> bool [B, V] (bit j of word i: token 32 i + j)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(2) >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _apply_masks(out: torch.Tensor, slots: torch.Tensor, t: SlotTables) -> torch.Tensor:
+    constrained = (t.iparams[slots, I_MASKED] != 0).unsqueeze(1)
+    forbidden = constrained & ~allowed_tokens(t.masks[slots], out.shape[1])
+    return out.masked_fill(forbidden, -math.inf)
 
 
 def _apply_penalties(out: torch.Tensor, slots: torch.Tensor, t: SlotTables) -> torch.Tensor:
@@ -361,6 +383,8 @@ class Sampler:
         # [num_slots, V] penalty state, allocated the first time a slot needs penalties.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
+        # [num_slots, V / 32] allowed-token bits of constrained slots, allocated the first time one is admitted
+        self.masks: torch.Tensor | None = None
         # Host mirror of each occupied slot's params: drives which work a step must do.
         self._host: list[SamplingParams | None] = [None] * num_slots
         self._has_ban: list[bool] = [False] * num_slots
@@ -378,7 +402,7 @@ class Sampler:
     @property
     def tables(self) -> SlotTables:
         return SlotTables(self._fparams, self._iparams, self._generated, self._bias_ids, self._bias_vals,
-                          self._ban_ids, self._vocab_keys, self.output_counts, self.prompt_mask)
+                          self._ban_ids, self._vocab_keys, self.output_counts, self.prompt_mask, self.masks)
 
     # ------------------------------------------------------------------ slots
 
@@ -402,6 +426,9 @@ class Sampler:
         self._write_bias(slot, bias)
         self._write_ban(slot, ban_list)
         self._reset_penalty_state(slot, params, prompt_token_ids)
+        if params.structured is not None and self.masks is None:
+            self.masks = torch.full((self.num_slots, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                                    device=self.device)
         self._host[slot] = params
         self._has_ban[slot] = bool(ban_list)
         self._flags = None
@@ -418,7 +445,8 @@ class Sampler:
              params.repetition_penalty, float(inv_t), float(log_min_p)], torch.float32, self.device)
         k = -1 if params.logprobs is None else params.logprobs
         self._iparams[slot] = to_device(
-            [max(params.top_k, 0), params.min_tokens, k, seed_key(seed), num_bias, num_ban], torch.int64, self.device)
+            [max(params.top_k, 0), params.min_tokens, k, seed_key(seed), num_bias, num_ban,
+             int(params.structured is not None)], torch.int64, self.device)
 
     def _write_bias(self, slot: int, bias: list[tuple[int, float]]) -> None:
         self._bias_ids, self._bias_vals = self._widen(self._bias_ids, self._bias_vals, len(bias))
@@ -461,6 +489,11 @@ class Sampler:
         self._host[dst] = self._host[src]
         self._has_ban[dst] = self._has_ban[src]
         self._flags = None
+
+    def write_masks(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """The allowed-token bits of constrained ``slots`` [k] for the next sampling: ``rows`` [k, V / 32]
+        int32 (pinned host memory: the copy does not wait for the device)."""
+        self.masks.index_copy_(0, slots, rows.to(self.device, non_blocking=True))
 
     def release_slot(self, slot: int) -> None:
         """Optional: forget a finished sequence so its features stop costing work."""

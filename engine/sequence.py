@@ -77,6 +77,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] = []  # filled chunk by chunk when params.prompt_logprobs is set
         self.num_launched = 0  # tokens sampled on the device (ahead of output_token_ids by a step when overlapped)
         self.max_output_tokens = request.params.max_tokens  # the engine caps it by max_model_len
+        self.matcher = None  # constrained decoding: its xgrammar matcher (engine.grammar), fed each token
+        self.grammar_rejected = False  # a token the matcher refused (a bug if it happens): the sequence ends
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -64,7 +64,8 @@ class SyntheticRunner:
     def warm_up(self, max_prefill_tokens: int) -> None:
         pass
 
-    def launch(self, batch: SchedulerOutput) -> LaunchedStep | None:
+    def launch(self, batch: SchedulerOutput, before_sample=None) -> LaunchedStep | None:
+        """``before_sample`` is not called: a synthetic engine takes no constrained requests."""
         seqs: list[Sequence] = []
         for chunk in batch.prefills:
             if chunk.is_last:

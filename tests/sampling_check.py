@@ -112,6 +112,35 @@ def check_batch_invariance(vocab: int = 1000) -> None:
     assert config_for(vocab).cap < vocab  # the band is smaller than the row: the search really ran
 
 
+def check_masks(vocab: int = 1000) -> None:
+    """Grammar bitmasks (every other row constrained, one of them to a single token): the kernel's tokens equal
+    the twin's, and every constrained row's token is one its mask allows."""
+    spec = {"type": "regex", "value": "x"}
+    params = [P(**{**p.to_dict(), "structured": spec}) if i % 2 == 0 else p for i, p in enumerate(MIXES)]
+    sampler = admit(vocab, params)
+    gen = torch.Generator().manual_seed(9)
+    words = (vocab + 31) // 32
+    for step in range(2):
+        allowed = torch.rand(len(params), words * 32, generator=gen) < 0.1
+        allowed[0] = False
+        allowed[0, 123 + step] = True
+        bits = (allowed.view(len(params), words, 32).long() << torch.arange(32)).sum(2)
+        rows = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+        sampler.write_masks(torch.arange(len(params)), rows)
+        logits = ROWS["peaked"](len(params), vocab, gen)
+        slots = torch.randperm(len(params), generator=gen)
+        f = sampler._features()
+        assert f.mask
+        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
+        want = sample_rows_ref(logits, slots, sampler.tables, f)
+        assert got.tokens.tolist() == want.tokens.tolist(), (step, got.tokens, want.tokens)
+        for row, slot in enumerate(slots.tolist()):
+            if slot % 2 == 0:
+                assert allowed[slot, got.tokens[row]], (slot, int(got.tokens[row]))
+        assert got.tokens[slots.tolist().index(0)] == 123 + step
+        sampler._record(slots, want.tokens)
+
+
 def check_warm_up() -> None:
     sampler = admit(300, MIXES[:3])
     before = sampler._generated.clone()
@@ -127,6 +156,7 @@ if __name__ == "__main__":
     check_same_as_twin(4096, "peaked", steps=1)
     check_recording()
     check_batch_invariance()
+    check_masks()
     check_warm_up()
     print("sampling checks passed")
     sys.exit(0)

@@ -93,7 +93,7 @@ def test_the_dockerfile_builds_what_compose_runs():
 def exported_metrics() -> set[str]:
     """What the API (its own metrics and the cluster view) and a worker expose, after some activity."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from api.metrics import ClusterCollector, Metrics
+    from api.metrics import Metrics
     from worker import contract as c
     from worker.metrics import WorkerMetrics
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)

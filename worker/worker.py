@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import redis
@@ -65,6 +66,8 @@ class Worker:
         self.writer.end_ops = self._end_ops
         self.reader = self.io.reader
         self.inflight: dict[str, InFlight] = {}
+        # constrained requests whose grammar is compiling (a thread pool): started once it is done
+        self.compiling: dict[str, tuple[Future, InFlight, Request]] = {}
         self.started = time.time()
         self.draining = False
         self.stop_now = False
@@ -152,7 +155,7 @@ class Worker:
                                                                            "count": leftovers})
 
     def _is_idle(self) -> bool:
-        return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight
+        return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight and not self.compiling
                 and self.writer.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
 
     def _wait_for_input(self) -> None:
@@ -166,12 +169,14 @@ class Worker:
         if self._quarantine:
             self.reader.capacity = 0
             return
-        waiting = self.engine.num_unfinished - self.engine.num_running
+        waiting = self.engine.num_unfinished - self.engine.num_running + len(self.compiling)
         self.reader.capacity = max(0, self.engine.num_free_slots - waiting)
 
     # -- input ---------------------------------------------------------------------
 
     def _take_incoming(self) -> None:
+        if self.compiling:
+            self._start_compiled()
         if self._quarantine:
             self._admit_from_quarantine()
             return
@@ -199,9 +204,9 @@ class Worker:
         except c.SchemaError as e:
             self._dead_letter(item, c.request_id_of(item.fields), f"invalid request entry: {e}", invalid=True)
             return
-        if item.has_result or req.id in self.inflight:
+        if item.has_result or req.id in self.inflight or req.id in self.compiling:
             log.info("duplicate delivery; already handled", extra={"request_id": req.id})
-            if req.id not in self.inflight:
+            if req.id not in self.inflight and req.id not in self.compiling:
                 self.writer.submit([AckDelete(item.stream, item.entry_id)])
             return
         if item.deliveries > self.cfg.max_deliveries:
@@ -235,8 +240,24 @@ class Worker:
         params = req.sampling
         if params.seed is None:  # fixed by the id: a re-run anywhere reproduces what was published
             params.seed = c.stable_seed(req.id)
+        request = Request(req.id, list(req.prompt_token_ids), params, n=req.n)
+        future = self.engine.prepare(request)
+        if future is not None:  # its grammar compiles off the loop; _start_compiled adds it
+            self.compiling[req.id] = (future, flight, request)
+            log.info("request waits for its grammar", extra={"request_id": req.id})
+            return True
+        return self._add(flight, request)
+
+    def _start_compiled(self) -> None:
+        for rid, (future, flight, request) in list(self.compiling.items()):
+            if future.done():
+                del self.compiling[rid]
+                self._add(flight, request)
+
+    def _add(self, flight: InFlight, request: Request) -> bool:
+        req = flight.request
         try:
-            self.engine.add(Request(req.id, list(req.prompt_token_ids), params, n=req.n))
+            self.engine.add(request)
         except ValueError as e:  # past the API's checks: it knew other limits (no heartbeat yet)
             self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), req.id, f"invalid request: {e}", req,
                               invalid=True)
@@ -256,6 +277,11 @@ class Worker:
     def _apply_aborts(self) -> None:
         while not self.reader.aborts.empty():
             rid, reason = self.reader.aborts.get_nowait()
+            if rid in self.compiling:
+                flight = self.compiling.pop(rid)[1]
+                self._finish_terminal(flight.stream, flight.entry_id, flight.request, c.STATUS_CANCELLED, reason,
+                                      "cancelled")
+                continue
             flight = self.inflight.pop(rid, None)
             if flight is None:
                 continue

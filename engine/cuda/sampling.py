@@ -69,6 +69,7 @@ I_LOGPROBS = tl.constexpr(sm.I_LOGPROBS)
 I_SEED_KEY = tl.constexpr(sm.I_SEED_KEY)
 I_NUM_BIAS = tl.constexpr(sm.I_NUM_BIAS)
 I_NUM_BAN = tl.constexpr(sm.I_NUM_BAN)
+I_MASKED = tl.constexpr(sm.I_MASKED)
 NO_LIMIT = tl.constexpr(2 ** 31 - 1)  # top_k off
 NUM_PROBES = tl.constexpr(8)
 TOP_LOGPROBS = tl.constexpr(32)  # raw top-k buffer: MAX_LOGPROBS (20) rounded up to a power of two
@@ -193,16 +194,25 @@ def _penalize(y, counts, in_prompt, mask, rep, freq, pres):
 
 
 @triton.jit
+def _grammar_allows(y, mask_row, ids, valid):
+    """-inf where the row's grammar bitmask (int32 words, bit j of word i: token 32 i + j) has a 0."""
+    w = tl.load(mask_row + (ids >> 5), mask=valid, other=0)
+    return tl.where(((w >> (ids & 31)) & 1) != 0, y, float("-inf"))
+
+
+@triton.jit
 def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
-                 bias_ids, bias_vals, n_bias, ban_ids, n_ban, BLOCK: tl.constexpr):
-    """Steps 1-3 times 1 / temperature into ``dst``: dense penalties, then the sparse bias entries
-    recomputed from their raw logits, then the ban (-inf) over everything."""
+                 bias_ids, bias_vals, n_bias, ban_ids, n_ban, masked, mask_row, BLOCK: tl.constexpr):
+    """Steps 1-3 times 1 / temperature into ``dst``: dense penalties and the grammar's mask, then the sparse
+    bias entries recomputed from their raw logits (masked again), then the ban (-inf) over everything."""
     tl.debug_barrier()  # the previous row's readers are done with dst
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         y = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
         if pen:
             y = _penalize(y, counts + offs, in_prompt + offs, offs < V, rep, freq, pres)
+        if masked:
+            y = _grammar_allows(y, mask_row, offs, offs < V)
         tl.store(dst + offs, y * inv_t, mask=offs < V)
     tl.debug_barrier()
     for j0 in range(0, n_bias, TABLE_BLOCK):
@@ -211,6 +221,8 @@ def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
         y = tl.load(x_row + ids, mask=j < n_bias, other=0.0) + tl.load(bias_vals + j, mask=j < n_bias, other=0.0)
         if pen:
             y = _penalize(y, counts + ids, in_prompt + ids, j < n_bias, rep, freq, pres)
+        if masked:
+            y = _grammar_allows(y, mask_row, ids, j < n_bias)
         tl.store(dst + ids, y * inv_t, mask=j < n_bias)
     tl.debug_barrier()
     for j0 in range(0, n_ban, TABLE_BLOCK):
@@ -607,9 +619,11 @@ def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
     tl.store(out_lp + j, v - lse, mask=j < top_w)
 
 
-@triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w"])
+@triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w",
+                               "mask_w", "has_masks"])
 def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
                    bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
+                   masks, mask_w, has_masks,
                    scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
                    top_w, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Persistent: program p samples rows p, p + P, ... with its own scratch row and band buffer; with
@@ -632,12 +646,13 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         pen = (has_penalty_state != 0) & ((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
         n_bias = tl.load(ip + I_NUM_BIAS).to(tl.int32)
         n_ban = tl.where(counter < tl.load(ip + I_MIN_TOKENS), tl.load(ip + I_NUM_BAN), 0).to(tl.int32)
+        masked = (has_masks != 0) & (tl.load(ip + I_MASKED) != 0)
         src = x_row
         scale = inv_t
-        if (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0)):
+        if (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0) | masked):
             _prepare_row(x_row, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V, in_prompt + slot * V,
                          bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
-                         BLOCK)
+                         masked, masks + slot * mask_w, BLOCK)
             src = scratch
             scale = 1.0
         sampled = tl.load(fp + F_TEMPERATURE) != 0.0
@@ -714,14 +729,16 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     has_pen = t.output_counts is not None and (f.penalties or record)
     counts = t.output_counts if has_pen else ws.dummy
     in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
-    prepare = f.bias or f.ban or has_pen
+    has_masks = f.mask and t.masks is not None
+    masks = t.masks if has_masks else ws.dummy
+    prepare = f.bias or f.ban or has_pen or has_masks
     scratch = ws.scratch_rows() if prepare else ws.band_v
     cfg = ws.config
     if b > 0:
         _sample_kernel[(min(b, ws.programs),)](
             logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
-            int(has_pen), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
+            int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
             max(top_w, 1), CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)

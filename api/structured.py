@@ -1,0 +1,92 @@
+"""Structured outputs: ``response_format`` (OpenAI) and ``structured_outputs`` (vLLM) → the ``structured``
+constraint a worker compiles (``engine.grammar``), checked here first so that a bad schema is a 400 before it
+is queued. The API imports no xgrammar (it imports torch): grammars and structural tags are checked by the
+worker, which refuses a request it cannot compile as invalid (a 400 too, or a failed batch line)."""
+
+from __future__ import annotations
+
+import re
+
+import jsonschema
+import orjson
+
+from api.errors import bad_request
+from api.schemas import SamplingFields
+
+ANY_OBJECT = {"type": "json_object"}
+
+
+def constraint_of(body: SamplingFields) -> dict | None:
+    """The request's constraint, or None for free text; 400 naming the field that is wrong."""
+    fmt = body.response_format
+    chosen = body.structured_outputs
+    from_format = None
+    if fmt is not None and fmt.type != "text":
+        from_format = _from_response_format(fmt)
+    from_vllm = _from_structured_outputs(chosen) if chosen is not None else None
+    if from_format is not None and from_vllm is not None:
+        raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+    return from_format or from_vllm
+
+
+def _from_response_format(fmt) -> dict:
+    if fmt.type == "json_object":
+        return ANY_OBJECT
+    if fmt.json_schema is None:
+        raise bad_request("response_format of type json_schema needs a json_schema object",
+                          "response_format.json_schema")
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        return ANY_OBJECT
+    check_schema(schema, "response_format.json_schema.schema")
+    return {"type": "json_schema", "value": schema}
+
+
+def _from_structured_outputs(so) -> dict:
+    given = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                              ("grammar", so.grammar), ("json_object", so.json_object or None))
+             if value is not None}
+    if len(given) != 1:
+        raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar, json_object; got "
+                          f"{', '.join(given) or 'none'}", "structured_outputs")
+    (name, value), = given.items()
+    param = f"structured_outputs.{name}"
+    if name == "json":
+        schema = _parsed_json(value, param) if isinstance(value, str) else value
+        check_schema(schema, param)
+        return {"type": "json_schema", "value": schema}
+    if name == "json_object":
+        return ANY_OBJECT
+    if name == "regex":
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise bad_request(f"{param} is not a regular expression: {e}", param) from None
+        return {"type": "regex", "value": value}
+    if name == "choice":
+        if not all(value):
+            raise bad_request(f"{param} may not hold an empty string", param)
+        return {"type": "choice", "value": list(value)}
+    if not value.strip():
+        raise bad_request(f"{param} is empty", param)
+    return {"type": "grammar", "value": value}
+
+
+def _parsed_json(text: str, param: str) -> dict:
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be a JSON schema object", param)
+    return value
+
+
+def check_schema(schema: dict, param: str) -> None:
+    """400 unless ``schema`` is a JSON schema (checked against its draft's metaschema, 2020-12 by default)."""
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise bad_request(f"{param} is not a valid JSON schema{f' at {where}' if where else ''}: {e.message}",
+                          param) from None
