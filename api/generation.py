@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -116,18 +116,23 @@ class GenerationService:
 
     # -- sync requests -----------------------------------------------------------------------
 
-    async def respond(self, job: Job, request: Request) -> Response:
+    async def respond(self, job: Job, request: Request, session: Callable[..., StreamSession] = StreamSession,
+                      render: Callable[[list[c.Result]], dict] | None = None) -> Response:
+        """The answer to a sync request: streamed by ``session`` (its chunks framed as it frames them), or the
+        whole object (``render`` of the results; the endpoint's own object by default)."""
         await self.admit(job)
         inbox: asyncio.Queue = asyncio.Queue()
         await self.submit(job, inbox)
         if job.stream and not job.shape.score_only:
-            return EventStream(StreamSession(self, job, inbox))
+            return EventStream(session(self, job, inbox))
         try:
             ordered = await self._complete(job, inbox, request)
         except ClientDisconnected:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         finally:
             await self.release(job, inbox)
+        if render is not None:
+            return JSONBytesResponse(render(ordered))
         body = Formatter(job.shape, self.tokenizer).response(ordered, job.prompt_tokens)
         if job.stream:  # scoring only: nothing to stream token by token, the whole answer as chunks
             return StreamingResponse(iter([*map(sse_event, Formatter.chunks_of(body, job.shape)), SSE_DONE]),

@@ -19,7 +19,7 @@ from api.middleware import BodySizeLimit, CatchAll
 from api.batch.files import MAX_UPLOAD_BYTES, DirectoryStore
 from api.batch.service import BatchService, FileService
 from api.routers import (batches, chat, completions, dashboard, files, health, metrics, models, requests,
-                         tokenizer)
+                         responses, tokenizer)
 from api.settings import Settings
 from engine.tokenizer import WorldTokenizer
 
@@ -64,6 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        else settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(CatchAll)  # outermost of ours: inside it, everything answers
-    for module in (completions, chat, models, requests, files, batches, health, metrics, dashboard, tokenizer):
+    for module in (completions, chat, models, requests, files, batches, health, metrics, dashboard, tokenizer,
+                   responses):
         app.include_router(module.router)
     return app

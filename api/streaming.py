@@ -81,21 +81,33 @@ class StreamSession:
                         yield frame
                     error = error or mismatch
                     if error is not None:
-                        yield sse_event(error)
-                        yield SSE_DONE
+                        for frame in self.failed(error):
+                            yield frame
                         return
         except TimeoutError:
             await self.service.cancel(sorted(self.pending), "request timeout")
             self.pending.clear()
-            yield sse_event(error_body(f"no result within the request timeout "
-                                       f"({self.service.settings.request_timeout_s:g} s); the request was cancelled",
-                                       "timeout", code="timeout"))
-            yield SSE_DONE
+            for frame in self.failed(error_body(f"no result within the request timeout "
+                                                f"({self.service.settings.request_timeout_s:g} s); the request was "
+                                                "cancelled", "timeout", code="timeout")):
+                yield frame
             return
+        for frame in self.completed([self.results[rid] for rid in self.job.request_ids]):
+            yield frame
+
+    # -- framing (the Responses API's stream frames the same chunks as its events) --------------
+
+    def frame(self, chunk: dict) -> list[bytes]:
+        return [sse_event(chunk)]
+
+    def completed(self, results: list[c.Result]) -> list[bytes]:
+        frames = []
         if self.job.shape.include_usage:
-            ordered = [self.results[rid] for rid in self.job.request_ids]
-            yield sse_event(self.formatter.usage_chunk(ordered, self.job.prompt_tokens))
-        yield SSE_DONE
+            frames.append(sse_event(self.formatter.usage_chunk(results, self.job.prompt_tokens)))
+        return frames + [SSE_DONE]
+
+    def failed(self, error: dict) -> list[bytes]:
+        return [sse_event(error), SSE_DONE]
 
     async def close(self) -> None:
         """Unsubscribe; a request without its final (the client left, timeout, error) is cancelled."""
@@ -120,7 +132,7 @@ class StreamSession:
                     self.echo_pending[p * n + j] = text
                     continue
                 self.sent[p * n + j] = ""
-                frames.append(sse_event(self.formatter.chunk(p * n + j, text)))
+                frames += self.frame(self.formatter.chunk(p * n + j, text))
         return frames
 
     def _pending_echo(self, index: int, prompt_logprobs: list[dict] | None) -> list[bytes]:
@@ -129,7 +141,7 @@ class StreamSession:
             return []
         self.sent[index] = ""
         text = self.echo_pending.pop(index)
-        return [sse_event(self.formatter.chunk(index, text, prompt_logprobs=prompt_logprobs or []))]
+        return self.frame(self.formatter.chunk(index, text, prompt_logprobs=prompt_logprobs or []))
 
     def _on_delta(self, msg: dict, now: float) -> list[bytes]:
         rid = msg["id"]
@@ -158,8 +170,8 @@ class StreamSession:
             self.sent[index] = sent + text
             if finish:
                 self.finished.add(index)
-            frames.append(sse_event(self.formatter.chunk(index, text, logprobs=logprobs, finish_reason=finish,
-                                                         role=first and self.job.endpoint == "chat")))
+            frames += self.frame(self.formatter.chunk(index, text, logprobs=logprobs, finish_reason=finish,
+                                                      role=first and self.job.endpoint == "chat"))
         return frames
 
     def _observe_timing(self, rid: str, now: float) -> None:
@@ -213,7 +225,7 @@ class StreamSession:
             rest = ch.text[len(sent):]
             logprobs = ch.logprobs[self.tokens_sent.get(index, 0):] if ch.logprobs is not None else None
             self.sent[index] = sent + rest
-            frames.append(sse_event(self.formatter.chunk(index, rest, logprobs=logprobs or None,
-                                                         finish_reason=ch.finish_reason or FINISH_ABORT,
-                                                         role=first and self.job.endpoint == "chat")))
+            frames += self.frame(self.formatter.chunk(index, rest, logprobs=logprobs or None,
+                                                      finish_reason=ch.finish_reason or FINISH_ABORT,
+                                                      role=first and self.job.endpoint == "chat"))
         return frames, None

@@ -326,3 +326,74 @@ def test_defaults_and_nulls_of_those_fields_are_accepted_and_unknown_fields_logg
     assert done.status_code == 200, done.text
     lines = [line for line in service.log(10**7).splitlines() if "frobnicate_level" in line]
     assert len(lines) == 1 and "not in the API" in lines[0]
+
+
+# -- the Responses API ----------------------------------------------------------------------------------------
+
+def test_responses_create_with_text_and_with_a_json_schema(client):
+    done = client.responses.create(model=MODEL, input="Say something", instructions="Be brief.",
+                                   max_output_tokens=12, temperature=0.0)
+    assert done.object == "response" and done.id.startswith("resp_") and done.store is False
+    assert done.output[0].type == "message" and done.output_text
+    assert done.usage.output_tokens <= 12 and done.usage.input_tokens > 0
+    assert done.status in ("completed", "incomplete")
+    if done.status == "incomplete":
+        assert done.incomplete_details.reason == "max_output_tokens"
+    same = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0.0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something"}])
+    assert done.output_text == same.choices[0].message.content  # one prompt format, one answer
+    parsed = client.responses.parse(model=MODEL, input="A pet", text_format=Pet, max_output_tokens=200, extra_body={"seed": 11})
+    assert isinstance(parsed.output_parsed, Pet)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    raw = client.responses.create(model=MODEL, input="A number", max_output_tokens=40, extra_body={"seed": 12}, text={
+        "format": {"type": "json_schema", "name": "number", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(raw.output_text), schema)
+
+
+def test_responses_stream_with_text_and_with_a_json_schema(client):
+    with client.responses.stream(model=MODEL, input="Say something", max_output_tokens=10, temperature=0.0) as s:
+        events = list(s)
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    last = events[-1]  # cut at max_output_tokens: incomplete, as OpenAI ends such a stream
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    whole = client.responses.create(model=MODEL, input="Say something", max_output_tokens=10, temperature=0.0)
+    assert deltas == last.response.output_text == whole.output_text and deltas
+    with client.responses.stream(model=MODEL, input="A pet", text_format=Pet, max_output_tokens=200,
+                                 extra_body={"seed": 13}) as s:
+        for _ in s:
+            pass
+        pet = s.get_final_response().output_parsed
+    assert isinstance(pet, Pet)
+
+
+def test_responses_function_tools_round_trip(client):
+    tools = [{"type": "function", "name": "add", "description": "Add two numbers",
+              "parameters": ADD["function"]["parameters"]}]
+    first = client.responses.create(model=MODEL, input="2 + 3?", tools=tools, tool_choice="required", extra_body={"seed": 14},
+                                    max_output_tokens=200)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and calls[0].name == "add" and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments), ADD["function"]["parameters"])
+    with client.responses.stream(model=MODEL, input="2 + 3?", tools=tools, tool_choice="required", extra_body={"seed": 14},
+                                 max_output_tokens=200) as s:
+        for _ in s:
+            pass
+        streamed = [o for o in s.get_final_response().output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    follow = client.responses.create(model=MODEL, tools=tools, tool_choice="none", max_output_tokens=8, input=[
+        {"role": "user", "content": "2 + 3?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "add", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"}])
+    assert follow.output_text
+
+
+@pytest.mark.parametrize("field, value", [("previous_response_id", "resp_1"), ("store", True),
+                                          ("background", True), ("include", ["reasoning.encrypted_content"]),
+                                          ("reasoning", {"effort": "high"}), ("truncation", "auto")])
+def test_responses_fields_without_stored_state_are_400(service, field, value):
+    r = httpx.post(service.url + "/v1/responses", json={"model": MODEL, "input": "x", field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
