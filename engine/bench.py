@@ -288,27 +288,33 @@ def bench_cuda(shapes: list[str], max_batch: int, decode_only: bool = False) -> 
     return out
 
 
-def bench_serve_cmd(device: str, shape: str, concurrency: int | None) -> str:
+def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False) -> str:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.serve_bench import SERVE_HEADER, Workload, bench_serve, standard_workloads
+    from engine.serve_bench import (CONSTRAINED_HEADER, SERVE_HEADER, Workload, bench_constrained, bench_serve,
+                                    standard_workloads)
 
-    if device == "cpu":
+    cpu = device == "cpu"
+    c = concurrency or (8 if cpu else 256 if constrained else 1024)
+    if cpu:
         torch.set_num_threads(1)
-        c = concurrency or 8
         weights = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=65536, seed=0))
-        workloads = [Workload(f"{c} concurrent, T=1", c, 2 * c, 16, 32), Workload("1 stream, T=1", 1, 2, 16, 64),
-                     Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
         title = "Serving loop in-process, tiny model (2 × 128) on one core"
     else:
-        c = concurrency or 1024
         p = PRESETS[shape]
         weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
                                                             seed=0, dtype=torch.bfloat16, device="cuda"))
-        workloads = standard_workloads(c)
         title = f"Serving loop in-process ({shape}, bf16 weights, fp32 state), {c} slots"
     engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(4096, c)),
                        weights=weights)
+    if constrained:
+        rows = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128, free_len=120 if cpu else 256)
+        return table(title + ": constrained decoding", CONSTRAINED_HEADER, rows)
+    if cpu:
+        workloads = [Workload(f"{c} concurrent, T=1", c, 2 * c, 16, 32), Workload("1 stream, T=1", 1, 2, 16, 64),
+                     Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
+    else:
+        workloads = standard_workloads(c)
     return table(title, SERVE_HEADER, bench_serve(engine, workloads))
 
 
@@ -323,9 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
+    ap.add_argument("--constrained", action="store_true",
+                    help="--serve: half the requests JSON-schema constrained vs all free (256 streams on a GPU)")
     args = ap.parse_args(argv)
     if args.serve:
-        body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency)
+        body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained)
         where = (f"GPU: {torch.cuda.get_device_name()}" if args.device != "cpu" else "CPU") + f", torch {torch.__version__}"
         publish(f"Engine serving loop — {where}", "engine.bench", argv, body, args.out)
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,6 +29,7 @@ class Workload:
     temperature: float = 1.0
     top_p: float = 1.0
     burst: bool = False  # every request queued at once (a prefill-heavy burst)
+    make_params: Callable[[int], SamplingParams] | None = None  # request i's params (default: from the fields)
 
 
 def standard_workloads(concurrency: int) -> list[Workload]:
@@ -54,11 +56,13 @@ def run_workload(engine, w: Workload) -> dict:
     last: dict[tuple, float] = {}
     ttft, itl = [], []
 
+    lengths: dict[int, int] = {}  # output tokens of request i
+
     def submit() -> None:
         nonlocal submitted
         rid = f"{w.name}-{submitted}"
-        params = SamplingParams(max_tokens=w.output_len, ignore_eos=True, temperature=w.temperature, top_p=w.top_p,
-                                seed=submitted)
+        params = w.make_params(submitted) if w.make_params else SamplingParams(
+            max_tokens=w.output_len, ignore_eos=True, temperature=w.temperature, top_p=w.top_p, seed=submitted)
         engine.add(Request(rid, prompt_of(submitted, w.prompt_len, vocab), params))
         sent[rid] = time.perf_counter()
         submitted += 1
@@ -74,6 +78,8 @@ def run_workload(engine, w: Workload) -> dict:
             (itl.append(now - last[key]) if key in last else ttft.append(now - sent[out.request_id]))
             last[key] = now
             out_tokens += len(out.token_ids)
+            number = int(out.request_id.rsplit("-", 1)[1])
+            lengths[number] = lengths.get(number, 0) + len(out.token_ids)
             if out.finished:
                 finished += 1
                 if submitted < w.num_requests:
@@ -81,7 +87,7 @@ def run_workload(engine, w: Workload) -> dict:
     wall = time.perf_counter() - start
     engine.runner.step_events = None
     return {"wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": w.num_requests * w.prompt_len,
-            "busy": _busy_s(events) / wall, "ttft": ttft, "itl": itl}
+            "busy": _busy_s(events) / wall, "ttft": ttft, "itl": itl, "lengths": lengths}
 
 
 def _busy_s(events: list[tuple]) -> float:
@@ -141,3 +147,46 @@ def bench_serve(engine, workloads: list[Workload]) -> list[list]:
 
 SERVE_HEADER = ["workload", "output tok/s", "model bound tok/s", "of bound", "GPU busy", "ITL p50 ms",
                 "ITL p99 ms", "TTFT p50 ms", "TTFT p99 ms", "prompt tok/s"]
+
+
+# A 10-field schema, every field bounded (a random model's strings end at their maxLength)
+TEN_FIELDS = {"type": "object", "additionalProperties": False, "properties": {
+    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "email": {"type": "string", "maxLength": 24}, "active": {"type": "boolean"},
+    "score": {"type": "integer", "minimum": -1000, "maximum": 1000}, "city": {"type": "string", "maxLength": 12},
+    "kind": {"enum": ["person", "company", "goose"]},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    "id": {"type": "integer", "minimum": 0, "maximum": 99999}, "note": {"type": "string", "maxLength": 20}}}
+TEN_FIELDS["required"] = list(TEN_FIELDS["properties"])
+CONSTRAINED_HEADER = ["workload", "output tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms", "mean output tokens",
+                      "vs all free"]
+
+
+def bench_constrained(engine, concurrency: int, num_requests: int, prompt_len: int = 128,
+                      free_len: int = 256) -> list[list]:
+    """Half the requests constrained by TEN_FIELDS (ending when their JSON does), half free; then the same
+    workload all free, each request generating as many tokens as it did constrained: the grammar's cost alone."""
+    spec = {"type": "json_schema", "value": TEN_FIELDS}
+
+    def mixed_params(i: int) -> SamplingParams:
+        if i % 2 == 0:
+            return SamplingParams(max_tokens=free_len, seed=i, structured=spec)
+        return SamplingParams(max_tokens=free_len, ignore_eos=True, seed=i)
+    mixed = Workload(f"{concurrency} streams, half constrained (10-field schema)", concurrency, num_requests,
+                     prompt_len, free_len, make_params=mixed_params)
+    engine.warm_up()
+    gc.collect()
+    gc.freeze()
+    run_workload(engine, replace(mixed, num_requests=max(4, concurrency // 4), name="warm-up"))
+    constrained = run_workload(engine, mixed)
+    lengths = constrained["lengths"]
+    free = replace(mixed, name=f"{concurrency} streams, all free (the same lengths)", make_params=lambda i:
+                   SamplingParams(max_tokens=max(1, lengths.get(i, free_len)), ignore_eos=True, seed=i))
+    baseline = run_workload(engine, free)
+    rows = []
+    for w, res in ((free, baseline), (mixed, constrained)):
+        rate = res["output_tokens"] / res["wall_s"]
+        rows.append([w.name, f"{rate:,.0f}", f"{pct(res['itl'], 0.5):.1f}", f"{pct(res['itl'], 0.99):.1f}",
+                     f"{pct(res['ttft'], 0.5):.0f}", f"{res['output_tokens'] / max(1, len(res['lengths'])):.0f}",
+                     f"{rate / (baseline['output_tokens'] / baseline['wall_s']):.2f}"])
+    return rows
