@@ -150,6 +150,47 @@ def test_sdk_round_trip_every_custom_id_once_and_equal_to_single_requests(stack,
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
 
 
+def test_structured_and_tool_lines_in_a_batch(stack, client, tmp_path):
+    """Batch lines constrained by a JSON schema, and lines with tools: every output validates; a line whose
+    grammar does not compile fails alone."""
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "required": ["a"], "additionalProperties": False,
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+    lines = []
+    for i in range(12):
+        body = {"model": "m", "messages": [{"role": "user", "content": f"Q{i}"}], "max_tokens": 80, "seed": i}
+        if i % 3 == 0:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+        elif i % 3 == 1:
+            body.update(tools=[tool], tool_choice="required")
+        else:
+            body["structured_outputs"] = {"grammar": "root ::= undefined" if i == 11 else 'root ::= "a" | "b"'}
+        lines.append(json.dumps({"custom_id": f"s-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": body}))
+    path = tmp_path / "structured.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    batch = client.batches.create(input_file_id=client.files.create(file=path.open("rb"), purpose="batch").id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_batch(client, batch.id)
+    assert done.request_counts.completed == 11 and done.request_counts.failed == 1, done
+    out = {o["custom_id"]: o["response"]["body"] for o in file_lines(client, done.output_file_id)}
+    for i in range(11):
+        message = out[f"s-{i}"]["choices"][0]["message"]
+        if i % 3 == 0:
+            jsonschema.validate(json.loads(message["content"]), schema)
+        elif i % 3 == 1:
+            assert out[f"s-{i}"]["choices"][0]["finish_reason"] == "tool_calls"
+            jsonschema.validate(json.loads(message["tool_calls"][0]["function"]["arguments"]),
+                                tool["function"]["parameters"])
+        else:
+            assert message["content"] in ("a", "b")
+    errors = file_lines(client, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["s-11"]
+
+
 @pytest.mark.parametrize("bad,code", [
     (b"{not json", "invalid_json"),
     (json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}).encode(), "missing_required_parameter"),

@@ -247,6 +247,36 @@ def test_overlapped_loop_equals_serial_loop_on_cuda(tmp_path):
     assert overlapped == serial
 
 
+def test_constrained_outputs_on_cuda_validate_beside_free_ones(tmp_path):
+    """The grammar mask through the fused kernel, masks filled while the model runs (the overlapped loop)."""
+    import json
+
+    import jsonschema
+
+    from engine.demo import write_demo_model
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    from engine.serve_bench import TEN_FIELDS
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
+    engine = _cuda_engine(path, dtype="bfloat16")
+    spec = {"type": "json_schema", "value": TEN_FIELDS}
+    for i in range(16):
+        params = (SamplingParams(max_tokens=300, seed=i, top_p=0.95, structured=spec) if i % 2 == 0 else
+                  SamplingParams(max_tokens=40, seed=i, ignore_eos=True))
+        engine.add(Request(f"r{i}", [1 + i, 2, 3], params))
+    got = {}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o)
+    for i in range(16):
+        outs = got[f"r{i}"]
+        if i % 2 == 0:
+            assert outs[-1].finish_reason == "stop"
+            jsonschema.validate(json.loads("".join(o.text for o in outs)), TEN_FIELDS)
+        else:
+            assert sum(len(o.token_ids) for o in outs) == 40
+
+
 def test_overlapped_decode_steps_never_wait_for_the_gpu(tmp_path):
     """In steady decoding a step queues its work and reads the previous step's tokens: the only wait is on that
     step's event. torch's sync debug mode flags any other synchronising call (a blocking copy, .item(), ...)."""
