@@ -231,8 +231,8 @@ def test_long_prompts_beside_decodes_are_chunked_to_the_bound(tiny_weights):
     engine.add(Request("long", tokens(300, seed=2), SamplingParams(max_tokens=2)))
     chunks = []
     real_launch = engine.runner.launch
-    engine.runner.launch = lambda batch: (chunks.append(sum(c.end - c.start for c in batch.prefills)),
-                                          real_launch(batch))[1]
+    engine.runner.launch = lambda batch, *rest: (chunks.append(sum(c.end - c.start for c in batch.prefills)),
+                                                 real_launch(batch, *rest))[1]
     while engine.has_request("long"):
         engine.step()
     assert max(chunks) == 16 and sum(chunks) == 300  # 1 decoding sequence: the minimum chunk per step

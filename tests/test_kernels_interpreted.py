@@ -40,7 +40,7 @@ def test_sampling_kernel_compiles_for_hopper():
 
     from engine.cuda.sampling import _sample_kernel, config_for
     pointers = {"logits": "fp32", "slots": "i64", "fparams": "fp32", "iparams": "i64", "generated": "i64",
-                "bias_ids": "i64", "bias_vals": "fp32", "ban_ids": "i64", "counts": "i32", "in_prompt": "u8",
+                "bias_ids": "i64", "bias_vals": "fp32", "ban_ids": "i64", "counts": "i32", "in_prompt": "u8", "masks": "i32",
                 "scratch": "fp32", "band_v": "fp32", "band_i": "i32", "out_token": "i64", "out_k": "i64",
                 "out_lp": "fp32", "out_top_id": "i64", "out_top_lp": "fp32"}
     names = list(inspect.signature(_sample_kernel.fn).parameters)

@@ -102,8 +102,8 @@ def test_a_stopped_sequences_late_token_is_dropped(tiny_weights, stop_strings):
     engine = make_engine(tiny_weights, async_scheduling=True)
     launched = []
     real_launch = engine.runner.launch
-    engine.runner.launch = lambda batch: (launched.append([s.request_id for s in batch.decodes]),
-                                          real_launch(batch))[1]
+    engine.runner.launch = lambda batch, *rest: (launched.append([s.request_id for s in batch.decodes]),
+                                                 real_launch(batch, *rest))[1]
     got = run(engine, mixed_requests()[:1], stop_strings)
     emitted = len(got[("greedy", 0)]["tokens"])
     decoded = sum(ids.count("greedy") for ids in launched)

@@ -65,6 +65,10 @@ class NoComputeEngine:
     def has_work(self) -> bool:
         return bool(self.running)
 
+    def prepare(self, request) -> None:
+        """Nothing to compile: constrained requests run unconstrained here (no tokens to constrain)."""
+        return None
+
     def add(self, request) -> None:
         rid, prompt = request.request_id, len(request.prompt_token_ids)
         self.running[rid] = [request.params.max_tokens, 0, prompt,
