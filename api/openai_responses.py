@@ -18,7 +18,7 @@ from pydantic import Field
 from api.errors import bad_request
 from api.formatting import FINISH_ABORT
 from api.responses import sse_event
-from api.schemas import INT32, ChatCompletionRequest, Text, _Body
+from api.schemas import INT32, ChatCompletionRequest, FunctionDefinition, Text, _Body
 from api.streaming import StreamSession
 from api.tools import split_calls
 from api.unsupported import Rule, check_fields, only, refuse
@@ -66,12 +66,9 @@ class TextOptions(_Body):
     verbosity: Any = None
 
 
-class FunctionTool(_Body):
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API lists it: the chat function's fields and its type, side by side."""
     type: Literal["function"]
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(_Body):

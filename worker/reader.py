@@ -70,6 +70,7 @@ class ReaderConfig:
     reclaim_interval_s: float = 0.5
     heartbeat_interval_s: float = c.HEARTBEAT_INTERVAL_S
     tenants_interval_s: float = 0.25
+    new_tenant_check_s: float = 0.02  # a ZCARD: a new tenant's first request is read within ~this, not a refresh
     audit_interval_s: float = 5.0
     consumers_gc_interval_s: float = 60.0  # dead consumers holding nothing are deleted (names are unique)
     owners_interval_s: float = 1.0
@@ -95,6 +96,7 @@ class _Streams:
     by_priority: dict[str, list[str]] = field(default_factory=lambda: {p: [] for p in c.PRIORITIES})
     known: set[str] = field(default_factory=set)
     turn: int = 0  # rotates the order, so no tenant is always first
+    tenants: int = -1  # how many tenants the list had when read
 
     @property
     def all(self) -> list[str]:
@@ -152,6 +154,7 @@ class Reader:
         beat, tenants = _Every(self.cfg.heartbeat_interval_s), _Every(self.cfg.tenants_interval_s)
         reclaim, audit = _Every(self.cfg.reclaim_interval_s), _Every(self.cfg.audit_interval_s)
         owners, watches = _Every(self.cfg.owners_interval_s), _Every(self.cfg.watch_interval_s)
+        tenant_count = _Every(self.cfg.new_tenant_check_s)
         consumers_gc = _Every(self.cfg.consumers_gc_interval_s, time.monotonic() + self.cfg.consumers_gc_interval_s)
         replayed = False
         while not stop.is_set():
@@ -159,7 +162,7 @@ class Reader:
                 now = time.monotonic()
                 if beat.due(now):
                     self._beat()
-                if tenants.due(now):
+                if tenants.due(now) or (tenant_count.due(now) and self._tenants_changed()):
                     self._refresh_streams()
                 if watches.due(now):
                     self._poll_watches()
@@ -214,10 +217,13 @@ class Reader:
 
     # -- streams ----------------------------------------------------------------------------------
 
+    def _tenants_changed(self) -> bool:
+        return self.redis.zcard(c.TENANTS) != self._streams.tenants
+
     def _refresh_streams(self) -> None:
         """Every tenant's streams, with the consumer group created (from the start) where it is new."""
         tenants = sorted(t.decode() for t in self.redis.zrange(c.TENANTS, 0, -1))
-        streams = _Streams(turn=self._streams.turn + 1, known=self._streams.known)
+        streams = _Streams(turn=self._streams.turn + 1, known=self._streams.known, tenants=len(tenants))
         for priority in c.PRIORITIES:
             streams.by_priority[priority] = [c.request_stream(priority, t) for t in tenants]
         for stream in streams.all:

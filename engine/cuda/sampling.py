@@ -201,6 +201,16 @@ def _grammar_allows(y, mask_row, ids, valid):
 
 
 @triton.jit
+def _penalize_and_mask(y, ids, valid, pen, counts, in_prompt, rep, freq, pres, masked, mask_row):
+    """The dense stages on values ``y`` of tokens ``ids``: penalties, then the grammar's mask."""
+    if pen:
+        y = _penalize(y, counts + ids, in_prompt + ids, valid, rep, freq, pres)
+    if masked:
+        y = _grammar_allows(y, mask_row, ids, valid)
+    return y
+
+
+@triton.jit
 def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
                  bias_ids, bias_vals, n_bias, ban_ids, n_ban, masked, mask_row, BLOCK: tl.constexpr):
     """Steps 1-3 times 1 / temperature into ``dst``: dense penalties and the grammar's mask, then the sparse
@@ -209,20 +219,14 @@ def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         y = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
-        if pen:
-            y = _penalize(y, counts + offs, in_prompt + offs, offs < V, rep, freq, pres)
-        if masked:
-            y = _grammar_allows(y, mask_row, offs, offs < V)
+        y = _penalize_and_mask(y, offs, offs < V, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
         tl.store(dst + offs, y * inv_t, mask=offs < V)
     tl.debug_barrier()
     for j0 in range(0, n_bias, TABLE_BLOCK):
         j = j0 + tl.arange(0, TABLE_BLOCK)
         ids = tl.load(bias_ids + j, mask=j < n_bias, other=0)
         y = tl.load(x_row + ids, mask=j < n_bias, other=0.0) + tl.load(bias_vals + j, mask=j < n_bias, other=0.0)
-        if pen:
-            y = _penalize(y, counts + ids, in_prompt + ids, j < n_bias, rep, freq, pres)
-        if masked:
-            y = _grammar_allows(y, mask_row, ids, j < n_bias)
+        y = _penalize_and_mask(y, ids, j < n_bias, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
         tl.store(dst + ids, y * inv_t, mask=j < n_bias)
     tl.debug_barrier()
     for j0 in range(0, n_ban, TABLE_BLOCK):
