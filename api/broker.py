@@ -50,9 +50,9 @@ class Broker:
     def __init__(self, redis_url: str, worker_cache_s: float = 1.0):
         self.redis = resilient_client(redis_url, CLIENT_NAME, socket_timeout=10)
         self._pubsub_client = resilient_client(redis_url, PUBSUB_CLIENT_NAME)
-        self.channels = Multiplexer(self._pubsub_client)
         # This process's lease: workers cancel its sync requests once it lapses (the process died).
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.channels = Multiplexer(self._pubsub_client, c.reply_channel(self.owner))
         self._worker_cache_s = worker_cache_s
         self._workers: list[c.Heartbeat] = []
         self._workers_at = -1e9

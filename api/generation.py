@@ -74,12 +74,13 @@ class GenerationService:
                               headers=retry)
 
     async def submit(self, job: Job, inbox: asyncio.Queue) -> None:
-        """Subscribe (confirmed) to every output channel, then write the records and XADD."""
-        channels = [c.out_channel(rid) for rid in job.request_ids]
-        for req in job.requests:  # this process waits for them: cancelled if it dies
+        """Route the requests' messages on this process's reply channel (confirmed) to ``inbox``, then write the
+        records and XADD."""
+        for req in job.requests:  # this process waits for them: cancelled if it dies; their messages come here
             req.owner = self.broker.owner
+            req.reply_to = self.broker.channels.reply_channel
         try:
-            await self.broker.channels.subscribe(channels, inbox)
+            await self.broker.channels.route(job.request_ids, inbox)
         except SubscribeTimeout as e:
             log.error("subscribe failed", extra={"request_id": job.id, "error": str(e)})
             raise OpenAIError(503, "the result channel is unavailable; try again later", code="queue_unavailable",
@@ -87,12 +88,12 @@ class GenerationService:
         try:
             await self.broker.enqueue(job.requests)
         except (RedisError, OSError) as e:
-            await self.broker.channels.unsubscribe(channels, inbox)
+            self.broker.channels.unroute(job.request_ids, inbox)
             log.error("enqueue failed", extra={"request_id": job.id, "error": str(e)})
             raise OpenAIError(503, "the request queue is unavailable; try again later",
                               code="queue_unavailable") from None
         except BaseException:  # cancelled mid-way: maybe queued, so cancel too
-            self.broker.channels.unsubscribe_soon(channels, inbox)
+            self.broker.channels.unroute(job.request_ids, inbox)
             self.broker.cancel_soon(job.request_ids, "cancelled while queueing")
             raise
         self.metrics.prompt_tokens.labels(job.endpoint).inc(job.prompt_tokens)
@@ -112,7 +113,7 @@ class GenerationService:
             log.info("request cancelled", extra={"request_id": rid, "reason": reason})
 
     async def release(self, job: Job, inbox: asyncio.Queue) -> None:
-        await self.broker.channels.unsubscribe([c.out_channel(rid) for rid in job.request_ids], inbox)
+        self.broker.channels.unroute(job.request_ids, inbox)
 
     # -- sync requests -----------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
-"""ONE pub/sub connection per API process, multiplexed over all request channels.
+"""ONE pub/sub connection per API process, multiplexed over its reply channel and request channels.
 
 A listener task reads the connection and hands each message to the asyncio queues
-registered for its channel. ``subscribe`` sends SUBSCRIBE and waits until the
-listener has seen Redis confirm it, so a request is added to the stream only once
-its channel is live and nothing is published to an empty channel.
+registered for it. The process's reply channel (``contract.reply_channel``) carries the
+messages of every request that names it (several per PUBLISH, routed by request id:
+``route``); other requests' own channels are subscribed one by one (``subscribe``:
+async requests' event streams). Either way a caller returns only once Redis confirmed
+the subscription, so a request is added to the stream only once its messages have a
+live channel and nothing is published to an empty channel.
 
 After a lost connection redis-py re-subscribes every channel on reconnect;
 messages published in between are lost, which is why callers also poll the
@@ -37,9 +40,12 @@ class SubscribeTimeout(Exception):
 
 
 class Multiplexer:
-    def __init__(self, client: aioredis.Redis):
+    def __init__(self, client: aioredis.Redis, reply_channel: str):
         self._pubsub = client.pubsub()
         self._channels: dict[str, _Channel] = {}
+        self.reply_channel = reply_channel
+        self._reply: _Channel | None = None  # made on start (it needs the loop)
+        self._routes: dict[str, set[asyncio.Queue]] = {}  # request id -> inboxes, for the reply channel
         self._lock = asyncio.Lock()  # one SUBSCRIBE/UNSUBSCRIBE write at a time
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # UNSUBSCRIBEs sent from tasks of their own
@@ -50,13 +56,67 @@ class Multiplexer:
     def num_channels(self) -> int:
         return len(self._channels)
 
+    @property
+    def num_routes(self) -> int:
+        return len(self._routes)
+
     async def start(self) -> None:
-        """Connect (or leave it to the listener, which retries), then start the listener."""
+        """Connect (or leave it to the listener, which retries), start the listener, subscribe to the reply
+        channel (confirmed later if Redis is not up yet: ``route`` waits for it)."""
+        self._reply = _Channel(asyncio.get_running_loop().create_future())
         try:
             await self._pubsub.connect()
         except (RedisError, OSError) as e:
             log.warning("pub/sub connection not established yet", extra={"error": str(e)})
         self._task = asyncio.create_task(self._listen(), name="gaggle-pubsub-listener")
+        try:
+            await self._send_subscribe([self.reply_channel], asyncio.get_running_loop().time() + SUBSCRIBE_TIMEOUT_S)
+        except (RedisError, OSError) as e:
+            log.warning("reply channel not subscribed yet", extra={"error": str(e)})
+
+    # -- the reply channel ---------------------------------------------------------------
+
+    async def route(self, request_ids: list[str], inbox: asyncio.Queue) -> None:
+        """Hand the reply channel's messages of ``request_ids`` to ``inbox``; returns once the reply channel
+        is confirmed (it normally is since start; after a failed start this subscribes again)."""
+        for rid in request_ids:
+            self._routes.setdefault(rid, set()).add(inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SUBSCRIBE_TIMEOUT_S
+        try:
+            if not self._reply.confirmed.done():
+                await self._send_subscribe([self.reply_channel], deadline)
+                await asyncio.wait_for(asyncio.shield(self._reply.confirmed), max(0.0, deadline - loop.time()))
+        except (RedisError, OSError, asyncio.TimeoutError) as e:
+            self.unroute(request_ids, inbox)
+            raise SubscribeTimeout(f"could not subscribe to the reply channel: {e!r}") from e
+        except BaseException:
+            self.unroute(request_ids, inbox)
+            raise
+
+    def unroute(self, request_ids: list[str], inbox: asyncio.Queue) -> None:
+        for rid in request_ids:
+            inboxes = self._routes.get(rid)
+            if inboxes is not None:
+                inboxes.discard(inbox)
+                if not inboxes:
+                    del self._routes[rid]
+
+    def _dispatch_reply(self, kind: str, data) -> None:
+        if kind == "subscribe":
+            if not self._reply.confirmed.done():
+                self._reply.confirmed.set_result(True)
+            return
+        if kind != "message":
+            return
+        for part in c.split_messages(data):
+            try:
+                body = c.loads_versioned(part)
+            except c.SchemaError as e:
+                log.error("undecodable message on the reply channel", extra={"error": str(e)})
+                continue
+            for inbox in self._routes.get(body.get("id"), ()):
+                inbox.put_nowait(body)
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._tasks) if t is not None]
@@ -99,7 +159,7 @@ class Multiplexer:
                 async with self._lock:
                     if self._pubsub.connection is None:  # only the listener makes the first connection
                         raise RedisError("not connected to redis yet")
-                    wanted = [name for name in names if name in self._channels]
+                    wanted = [name for name in names if name in self._channels or name == self.reply_channel]
                     if wanted:
                         await self._pubsub.subscribe(*wanted)
                 return
@@ -137,7 +197,7 @@ class Multiplexer:
             return
         try:
             async with self._lock:  # checked under the lock: a channel wanted again stays subscribed
-                names = [name for name in names if name not in self._channels]
+                names = [name for name in names if name not in self._channels and name != self.reply_channel]
                 if names:
                     await self._pubsub.unsubscribe(*names)
         except (RedisError, OSError) as e:  # a leftover subscription is dropped when it next gets a message
@@ -183,6 +243,9 @@ class Multiplexer:
         kind = message["type"]
         channel = message["channel"]
         name = channel.decode() if isinstance(channel, bytes) else str(channel)
+        if name == self.reply_channel:
+            self._dispatch_reply(kind, message["data"])
+            return
         ch = self._channels.get(name)
         if ch is None:
             if kind == "message" and name not in self._stale:  # left over (re-subscribed on reconnect, ...)

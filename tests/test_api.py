@@ -382,7 +382,7 @@ def test_a_non_streaming_client_that_goes_away_cancels(stack):
 
 
 def test_one_pubsub_connection_serves_all_requests(http, stack):
-    """Concurrent streams share the API process's single subscriber connection."""
+    """Concurrent streams share the API process's single subscriber connection, on its one reply channel."""
     wait_idle_worker(stack)
     readers = []  # a dropped line iterator closes its connection: keep them
     with contextlib.ExitStack() as streams:
@@ -394,7 +394,7 @@ def test_one_pubsub_connection_serves_all_requests(http, stack):
                 pass
         subscribers = {client["name"] or "worker": int(client["sub"]) for client in stack.r.client_list()
                        if int(client.get("sub", 0)) > 0}
-    assert subscribers == {"worker": 1, "gaggle-api-pubsub": 4}  # the worker's abort channel; four output channels
+    assert subscribers == {"worker": 1, "gaggle-api-pubsub": 1}  # the worker's abort channel; the reply channel
     wait_idle_worker(stack)  # and the four disconnects cancelled their requests
 
 

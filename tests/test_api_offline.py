@@ -119,8 +119,21 @@ def test_one_connection_multiplexes_shared_channels_and_drops_stale_ones(redis_s
 
     async def scenario():
         publisher = aioredis.Redis.from_url(url)
-        mux = Multiplexer(aioredis.Redis.from_url(url))
+        mux = Multiplexer(aioredis.Redis.from_url(url), c.reply_channel("test-api"))
         await mux.start()
+        r1, r2 = asyncio.Queue(), asyncio.Queue()
+        await mux.route(["r1"], r1)
+        await mux.route(["r2"], r2)  # one PUBLISH on the reply channel, routed by request id, a bad part skipped
+        one = b"\n".join([c.status_message("r1", "running"), b"{not json", c.status_message("r2", "running"),
+                          c.delta_message("r1", [{"index": 0, "text": "x", "token_ids": [1]}])])
+        assert await publisher.publish(c.reply_channel("test-api"), one) == 1
+        assert [(await asyncio.wait_for(r1.get(), 5))["type"] for _ in range(2)] == ["status", "delta"]
+        assert (await asyncio.wait_for(r2.get(), 5))["id"] == "r2" and r2.empty()
+        mux.unroute(["r1"], r1)
+        await publisher.publish(c.reply_channel("test-api"), c.status_message("r1", "running"))
+        await publisher.publish(c.reply_channel("test-api"), c.status_message("r2", "running"))
+        await asyncio.wait_for(r2.get(), 5)
+        assert r1.empty() and mux.num_routes == 1
         a, b = asyncio.Queue(), asyncio.Queue()
         await mux.subscribe(["ch1"], a)
         await mux.subscribe(["ch1", "ch2"], b)  # confirmed on return: a publish now reaches both
@@ -132,6 +145,7 @@ def test_one_connection_multiplexes_shared_channels_and_drops_stale_ones(redis_s
         assert a.empty()
         await mux.unsubscribe(["ch1", "ch2"], b)
         assert await publisher.pubsub_numsub("ch1", "ch2") == [(b"ch1", 0), (b"ch2", 0)]
+        assert (await publisher.pubsub_numsub(c.reply_channel("test-api")))[0][1] == 1  # the reply channel stays
         await mux._pubsub.subscribe("ghost")  # e.g. re-subscribed by a reconnect, nobody reads it
         await publisher.publish("ghost", message)
         for _ in range(100):
@@ -192,8 +206,9 @@ def test_merged_deltas_stream_their_tokens_in_order(offline):
     thread = threading.Thread(target=stream)
     thread.start()
     entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
-    rid = c.QueuedRequest.decode(entry[0][1]).id
-    channel = c.out_channel(rid)
+    req = c.QueuedRequest.decode(entry[0][1])
+    rid, channel = req.id, c.channel_of(req)
+    assert channel == req.reply_to != ""  # a sync request's messages go to its API process's reply channel
 
     def lp(token: int) -> dict:
         return {"token_id": token, "logprob": -0.5, "top": [[token, -0.5]]}
@@ -201,9 +216,9 @@ def test_merged_deltas_stream_their_tokens_in_order(offline):
     result = c.Result(id=rid, choices=[c.Choice(0, "abc", [65, 66, 67], "length")], prompt_tokens=1,
                       completion_tokens=3)
     pipe = offline.r.pipeline()
-    pipe.publish(channel, c.status_message(rid, c.STATUS_RUNNING))
-    pipe.publish(channel, c.delta_message(rid, [{"index": 0, "text": "ab", "token_ids": [65, 66],
-                                                 "logprobs": [lp(65), lp(66)]}]))
+    pipe.publish(channel, b"\n".join([  # as a worker's write: several messages in one PUBLISH
+        c.status_message(rid, c.STATUS_RUNNING),
+        c.delta_message(rid, [{"index": 0, "text": "ab", "token_ids": [65, 66], "logprobs": [lp(65), lp(66)]}])]))
     pipe.publish(channel, c.delta_message(rid, [{"index": 0, "text": "c", "token_ids": [67], "logprobs": [lp(67)],
                                                  "finish_reason": "length", "stop_reason": None}]))
     pipe.set(c.result_key(rid), result.encode())
@@ -230,14 +245,15 @@ def stream_lines_of_a_scripted_request(offline, messages) -> list[str]:
     thread = threading.Thread(target=stream)
     thread.start()
     entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
-    rid = c.QueuedRequest.decode(entry[0][1]).id
+    req = c.QueuedRequest.decode(entry[0][1])
+    rid = req.id
     pipe = offline.r.pipeline()
     for msg in messages(rid):
         if isinstance(msg, c.Result):
             pipe.set(c.result_key(rid), msg.encode())
-            pipe.publish(c.out_channel(rid), c.final_message(rid, msg.encode()))
+            pipe.publish(c.channel_of(req), c.final_message(rid, msg.encode()))
         else:
-            pipe.publish(c.out_channel(rid), msg)
+            pipe.publish(c.channel_of(req), msg)
     pipe.execute()
     thread.join(timeout=30)
     return got["lines"]

@@ -46,7 +46,8 @@ def test_two_synthetic_workers_serve_every_request_once(redis_url):
     rids = [f"syn-{i}" for i in range(200)]
     for i, rid in enumerate(rids):
         submit(r, rid, [1, 2, 3], max_tokens=16 + i % 5, ignore_eos=True)
-    workers = [start_worker(redis_url, "unused", f"syn{k}", "--engine", "synthetic:1000", "--burst",
+    # ~4.5 s of work for the two (3,600 tokens at 400 tok/s each): the second starts well before the first is done
+    workers = [start_worker(redis_url, "unused", f"syn{k}", "--engine", "synthetic:400", "--burst",
                             "--max-num-seqs", "64") for k in range(2)]
     for w in workers:
         assert w.wait(timeout=120) == 0, log_of(w)

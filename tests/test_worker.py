@@ -219,6 +219,50 @@ def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url
         assert deltas[-1]["finish_reason"] == final["choices"][index]["finish_reason"]
 
 
+def test_requests_naming_a_reply_channel_share_one_publish_per_write(r, redis_url, tiny_weights):
+    """Sync requests name their API process's reply channel: a write publishes one message there for all of
+    them (newline-joined), each request's messages in order — status, deltas adding up to the result, final."""
+    channel = c.reply_channel("api-1")
+    pubsub = r.pubsub()
+    pubsub.subscribe(channel)
+    pubsub.get_message(timeout=1)
+    rids = [f"rc-{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        req = c.QueuedRequest(id=rid, prompt_token_ids=prompt(i), stream=True, reply_to=channel, owner="api-1",
+                              params={"max_tokens": 10, "ignore_eos": True, "temperature": 1.0, "seed": i})
+        req.enqueue(r)
+    quiet = c.QueuedRequest(id="rc-quiet", prompt_token_ids=prompt(7), params={"max_tokens": 5}, reply_to=channel)
+    quiet.enqueue(r)
+    InProcessWorker(tiny_weights, redis_url).worker.run(burst=True)
+    publishes, messages = 0, {rid: [] for rid in [*rids, "rc-quiet"]}
+    while (msg := pubsub.get_message(timeout=1)) is not None:
+        if msg["type"] == "message":
+            publishes += 1
+            for part in c.split_messages(msg["data"]):
+                body = orjson.loads(part)
+                messages[body["id"]].append(body)
+    assert [m["type"] for m in messages["rc-quiet"]] == ["final"]
+    for rid in rids:
+        kinds = [m["type"] for m in messages[rid]]
+        assert kinds[0] == "status" and kinds[-1] == "final" and set(kinds[1:-1]) == {"delta"}, kinds
+        final = messages[rid][-1]["result"]["choices"][0]
+        deltas = [ch for m in messages[rid][1:-1] for ch in m["choices"]]
+        assert "".join(d["text"] for d in deltas) == final["text"]
+        assert [t for d in deltas for t in d["token_ids"]] == final["token_ids"] and len(final["token_ids"]) == 10
+    total = sum(len(v) for v in messages.values())
+    assert publishes * 2 < total, (publishes, total)  # ~4 requests' deltas per PUBLISH
+    assert r.pubsub_numsub(c.out_channel("rc-0"))[0][1] == 0
+
+
+def test_a_reply_channel_must_be_one(r):
+    """reply_to is '' or a gaggle:reply: channel: an entry cannot make a worker publish anywhere else."""
+    req = c.QueuedRequest(id="bad-reply", prompt_token_ids=[1], params={"max_tokens": 1}, reply_to=c.CHANNEL_ABORTS)
+    with pytest.raises(c.SchemaError, match="reply_to"):
+        c.QueuedRequest.decode(req.encode())
+    ok = c.QueuedRequest(id="ok-reply", prompt_token_ids=[1], params={"max_tokens": 1}, reply_to=c.reply_channel("a"))
+    assert c.QueuedRequest.decode(ok.encode()).reply_to == c.reply_channel("a")
+
+
 def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_path):
     rids = [f"drain-{i}" for i in range(4)]
     for i, rid in enumerate(rids):

@@ -11,7 +11,9 @@ Key space (all under ``gaggle:``):
                                    (interactive, then batch: batch-job lines), read fairly across tenants
     tenants                zset    tenant -> time of its last enqueue: the streams workers read
     dead                   stream  entries delivered too often, or undecodable (capped: DEAD_LETTER_MAXLEN)
-    out:<id>               pubsub  worker → API: deltas (streaming only) and the final result
+    out:<id>               pubsub  worker → API: deltas (streaming only) and the final result, one message a PUBLISH
+    reply:<owner>          pubsub  worker → one API process: the same messages for every request that names it
+                                   (reply_to), several a PUBLISH, b"\n"-separated (see split_messages)
     aborts                 pubsub  API → all workers: request ids to abort
     cancel:<id>            string  cancel marker with TTL (for requests not yet picked up)
     result:<id>            string  final result with TTL (written once, NX)
@@ -97,6 +99,25 @@ TERMINAL_STATUSES = (STATUS_COMPLETED, STATUS_FAILED, STATUS_CANCELLED, STATUS_E
 
 def out_channel(request_id: str) -> str:
     return f"{PREFIX}out:{request_id}"
+
+
+REPLY_PREFIX = PREFIX + "reply:"
+
+
+def reply_channel(owner: str) -> str:
+    """An API process's one channel for the requests it waits for: a worker publishes one message per step
+    for all of them (not one per request per token: at 1,024 streams per worker that was ~1 PUBLISH a token)."""
+    return REPLY_PREFIX + owner
+
+
+def channel_of(req: "QueuedRequest") -> str:
+    """Where a request's messages go: its reply_to channel, else its own."""
+    return req.reply_to or out_channel(req.id)
+
+
+def split_messages(data: bytes) -> list[bytes]:
+    """The messages of one PUBLISH on a reply channel (an encoded message never holds a raw newline)."""
+    return data.split(b"\n")
 
 
 def result_key(request_id: str) -> str:
@@ -213,6 +234,7 @@ class QueuedRequest:
     deadline: float = 0.0  # epoch seconds; 0 = created + DEFAULT_DEADLINE_S[priority]
     meta: dict = field(default_factory=dict)  # echoed back in the result (e.g. batch custom_id)
     owner: str = ""  # the API process waiting for it (see owner_key); "" = nobody (async, batch)
+    reply_to: str = ""  # a reply channel (reply_channel) shared with other requests; "" = out_channel(id)
 
     # Not a field: the params, type-checked, set by decode() (a worker's only view of them).
     sampling = None
@@ -316,6 +338,9 @@ _REQUEST_FIELDS = {
     "deadline": _wire_time,
     "meta": _wire_dict,
     "owner": _wire_str(MAX_ID_CHARS),
+    "reply_to": lambda name, value: (_wire_str(len(REPLY_PREFIX) + MAX_ID_CHARS)(name, value),
+                                     _expect(value == "" or value.startswith(REPLY_PREFIX), name,
+                                             f"'' or a channel starting {REPLY_PREFIX!r}")),
 }
 
 
@@ -329,9 +354,21 @@ def request_id_of(fields: dict) -> str | None:
     return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else None
 
 
+def reply_to_of(fields: dict) -> str:
+    """Best-effort reply channel of an entry that may not decode (its final goes there): only a valid one."""
+    raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
+    try:
+        value = orjson.loads(raw).get("reply_to")
+    except Exception:
+        return ""
+    ok = isinstance(value, str) and value.startswith(REPLY_PREFIX) and len(value) <= len(REPLY_PREFIX) + MAX_ID_CHARS
+    return value if ok else ""
+
+
 # -- outputs: worker → API ----------------------------------------------------------------
-# Published on out_channel(id), in this order: status, deltas, final (the final only once result_key(id)
-# is set).
+# Published on channel_of(request) (its reply_to channel, several messages of any requests per PUBLISH, or
+# out_channel(id), one per PUBLISH), in this order per request: status, deltas, final (the final only once
+# result_key(id) is set).
 #   {"v":1, "type":"delta", "id":..., "choices":[{"index", "text", "token_ids", "offset", "text_offset",
 #                                                 "logprobs"?, "prompt_logprobs"?, "finish_reason"?,
 #                                                 "stop_reason"?}]}

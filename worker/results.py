@@ -38,7 +38,7 @@ class InFlight:
         self.simple = (req.stream and req.n == 1 and not self.wants_logprobs and not self.wants_prompt_logprobs
                        and not req.record_text)
         # read by the writer thread, made once here
-        self.channel = c.out_channel(req.id)
+        self.channel = c.channel_of(req)
         self.delta_head = c.delta_head(req.id)
 
     @property

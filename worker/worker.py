@@ -268,7 +268,7 @@ class Worker:
                                                   "started", time.time()),
                          Command("EXPIRE", key, c.REQUEST_RECORD_TTL_S)]
         if req.stream or req.record_text:
-            ops.append(Publish(c.out_channel(req.id), c.status_message(req.id, c.STATUS_RUNNING)))
+            ops.append(Publish(flight.channel, c.status_message(req.id, c.STATUS_RUNNING)))
         self.writer.submit(ops)
         log.info("request running", extra={"request_id": req.id, "worker": self.cfg.name,
                                            "prompt_tokens": len(req.prompt_token_ids), "n": req.n})
@@ -343,9 +343,9 @@ class Worker:
                                                      queued=flight.request)
             result.choices, result.completion_tokens = partial.choices, partial.completion_tokens
             result.prompt_tokens = partial.prompt_tokens
-        return self._final_ops(flight.stream, flight.entry_id, result)
+        return self._final_ops(flight.stream, flight.entry_id, result, flight.channel)
 
-    def _final_ops(self, stream: str, entry_id: bytes, result: c.Result) -> list[Op]:
+    def _final_ops(self, stream: str, entry_id: bytes, result: c.Result, channel: str) -> list[Op]:
         data = result.encode()
         if self.metrics is not None:
             self.metrics.on_request_end(result.status)
@@ -355,7 +355,7 @@ class Worker:
         return [Command("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
                 Command("HSET", key, "status", result.status, "finished", result.finished),
                 Command("EXPIRE", key, c.REQUEST_RECORD_TTL_S),
-                Command("PUBLISH", c.out_channel(result.id), c.final_message(result.id, data)),  # after the SET
+                Command("PUBLISH", channel, c.final_message(result.id, data)),  # after the SET
                 AckDelete(stream, entry_id)]
 
     def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
@@ -365,7 +365,7 @@ class Worker:
             self.writer.submit([End(flight, (status, message, code))])
             return
         result = c.error_result(req.id, status, message, code, worker=self.cfg.name, queued=req)
-        self.writer.submit(self._final_ops(stream, entry_id, result))
+        self.writer.submit(self._final_ops(stream, entry_id, result, c.channel_of(req)))
 
     def _dead_letter(self, item: Incoming, rid: str | None, reason: str, req: c.QueuedRequest | None = None,
                      invalid: bool = False) -> None:
@@ -380,7 +380,8 @@ class Worker:
             return
         result = c.error_result(rid, c.STATUS_FAILED, reason, "invalid_request" if invalid else "dead_letter",
                                 worker=self.cfg.name, queued=req, err_type="invalid_request_error" if invalid else None)
-        self.writer.submit(self._final_ops(item.stream, item.entry_id, result))
+        channel = c.channel_of(req) if req is not None else c.reply_to_of(item.fields or {}) or c.out_channel(rid)
+        self.writer.submit(self._final_ops(item.stream, item.entry_id, result, channel))
 
     # -- a step that raised ----------------------------------------------------------
 

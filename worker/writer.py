@@ -64,7 +64,7 @@ class _Build:
         self.flights = flights
         self.end_ops = end_ops
         self.single_step = single_step  # the write covers one step: plain deltas can be formatted at once
-        self.plain: list = []  # packed PUBLISHes, or an InFlight: where its merged delta goes
+        self.plain: list = []  # (channel, message), or an InFlight: where its merged delta goes
         self.tx_pubs: list = []  # InFlights of async requests whose deltas go into the script call
         self.pending: dict = {}  # InFlight -> its outputs in this write not yet formatted, in order
         self.tx: list[bytes] = []
@@ -75,7 +75,7 @@ class _Build:
             case Outputs(outputs, at):
                 self._outputs(outputs, at)
             case Publish(channel, data):
-                self.plain.append(hiredis.pack_command(("PUBLISH", channel, data)))
+                self.plain.append((channel, data))
             case AckDelete(stream, entry_id):
                 self.tx += [hiredis.pack_command(("XACK", stream, c.GROUP, entry_id)),
                             hiredis.pack_command(("XDEL", stream, entry_id))]
@@ -101,8 +101,7 @@ class _Build:
                 continue
             if flight.add(out, at) and flight.publishes:
                 if self.single_step and flight.simple and not out.finished:  # the common case, formatted at once
-                    self.plain.append(hiredis.pack_command(
-                        ("PUBLISH", flight.channel, simple_delta(flight, out.text, out.token_ids))))
+                    self.plain.append((flight.channel, simple_delta(flight, out.text, out.token_ids)))
                 else:
                     self._defer(flight, out)
             if out.finished and flight.is_done:
@@ -126,8 +125,8 @@ class _Build:
                 self.tx_pubs.append(flight)
 
     def encode(self, text_ttl_s: int) -> Encoded:
-        plain = [hiredis.pack_command(("PUBLISH", item.channel, merged_delta(item, self.pending[item])))
-                 if type(item) is not bytes else item for item in self.plain]
+        plain = _publishes(item if type(item) is tuple else (item.channel, merged_delta(item, self.pending[item]))
+                           for item in self.plain)
         script_args = [a for flight in self.tx_pubs for a in (flight.channel, merged_delta(flight, self.pending[flight]))]
         appends = self._appends()
         if script_args or appends:
@@ -149,6 +148,20 @@ class _Build:
                     if any(parts):
                         out += [c.text_key(flight.id, i), "".join(parts)]
         return out
+
+
+def _publishes(messages) -> list[bytes]:
+    """PUBLISH commands for (channel, message) pairs in order: one per message on a request's own channel, one
+    per reply channel for all of its messages (newline-joined, in order)."""
+    out: list[bytes] = []
+    shared: dict[str, list[bytes]] = {}
+    for channel, message in messages:
+        if channel.startswith(c.REPLY_PREFIX):
+            shared.setdefault(channel, []).append(message)
+        else:
+            out.append(hiredis.pack_command(("PUBLISH", channel, message)))
+    out += [hiredis.pack_command(("PUBLISH", channel, b"\n".join(parts))) for channel, parts in shared.items()]
+    return out
 
 
 class Writer:

@@ -1,0 +1,324 @@
+"""Where one Redis stops: ``python -m worker.scale_bench`` (issue 17, item 1).
+
+N synthetic workers (``gaggle worker --engine synthetic:RATE``: the real engine loop, scheduler, detokenizer and
+worker I/O, tokens at a fixed rate, no model) share one redis-server. Load comes from driver processes that do
+what an API process does on Redis and nothing else: each subscribes to a request's channel (and waits for the
+confirmation) before it enqueues the request, keeps a fixed number of streaming requests in flight (closed loop),
+reads every delta and final from its one pub/sub connection, and unsubscribes when the final came. The HTTP tier
+is left out on purpose: this measures the queue, the pub/sub fan-out and Redis itself (``gaggle bench`` against
+``gaggle up`` measures the whole path).
+
+Per row, over a measured window after a warm-up:
+- produced tok/s: the workers' generated-token counters (their ``/metrics``), delivered tok/s: tokens that
+  reached the drivers as stream deltas; delivered / produced;
+- Redis: CPU (cores, from INFO), µs of Redis CPU per delivered token, commands per produced token (INFO
+  commandstats, the largest named), a PING probe's round trip p50 / p99;
+- latency through the queue: time to the first delta (p50 / p99) and the gap between a request's deltas;
+- CPU of the workers and the drivers (cores, from /proc).
+
+The capacity column is ``1 / (Redis CPU per token)``: the token rate at which this Redis would be 100% busy on
+one core if everything else kept up. On a machine with few cores the workers and drivers saturate first, so the
+delivered rate says little about Redis; its cost per token and commands per token are what carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import redis
+
+from engine.report import publish
+from worker import contract as c
+from worker.redis_server import RedisServer, free_port
+
+PROMPT = [510, 4325, 8213, 3319, 4600, 261, 1417, 33, 2133, 3728, 4810, 4600, 22590, 33, 11, 5216]
+DELTA_MARK, FINAL_MARK = b'"type":"delta"', b'"type":"final"'
+
+
+# -- a driver process: what an API process does on Redis ------------------------------------------------------
+
+def drive(port: int, name: str, concurrency: int, output_len: int, window: tuple[float, float], stop_at: float,
+          shared: bool, report) -> None:
+    """Keep ``concurrency`` streaming requests in flight until ``stop_at``; report what arrived in ``window``
+    (wall-clock times). ``shared``: as the API does, one reply channel for all (subscribed once, messages routed
+    by request id); else a channel per request, subscribed before and unsubscribed after it."""
+    import hiredis
+    import orjson
+
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(0.05)
+    cmd = redis.Redis(port=port)
+    reader = hiredis.Reader()
+    reply = c.reply_channel(f"scale-{name}").encode() if shared else None
+    t_from, t_to = window
+    serial = 0
+    submitted: dict[str, float] = {}  # request id -> enqueue time
+    last: dict[str, float] = {}
+    awaiting: set[bytes] = set()  # subscribed, confirmation not yet back
+    ttft, gaps, tokens, deltas, finals, publishes = [], [], 0, 0, 0, 0
+    cpu0 = None
+
+    def new_ids(k: int) -> list[str]:
+        nonlocal serial
+        serial += k
+        return [f"{name}-{i}" for i in range(serial - k + 1, serial + 1)]
+
+    def subscribe(rids: list[str]) -> None:
+        channels = [c.out_channel(rid).encode() for rid in rids]
+        awaiting.update(channels)
+        sock.sendall(hiredis.pack_command(("SUBSCRIBE", *channels)))
+
+    def enqueue(rids: list[str]) -> None:
+        pipe = cmd.pipeline(transaction=False)
+        now = time.time()
+        for rid in rids:
+            c.QueuedRequest(id=rid, prompt_token_ids=PROMPT, stream=True, reply_to=reply.decode() if shared else "",
+                            params={"max_tokens": output_len, "ignore_eos": True, "temperature": 1.0}).enqueue(pipe)
+            submitted[rid] = now
+        pipe.execute()
+
+    def start(k: int) -> None:
+        (enqueue if shared else subscribe)(new_ids(k))
+
+    if shared:
+        awaiting.add(reply)
+        sock.sendall(hiredis.pack_command(("SUBSCRIBE", reply)))
+    else:
+        start(concurrency)
+    while time.time() < stop_at:
+        if cpu0 is None and time.time() >= t_from:
+            cpu0 = time.process_time()
+        try:
+            data = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        reader.feed(data)
+        now = time.time()
+        confirmed, done = [], []
+        in_window = t_from <= now < t_to
+        while (msg := reader.gets()) is not False:
+            kind, channel = msg[0], msg[1]
+            if kind == b"subscribe":
+                if channel in awaiting:
+                    awaiting.discard(channel)
+                    confirmed.append(channel)
+                continue
+            if kind != b"message":
+                continue
+            publishes += in_window
+            for payload in (c.split_messages(msg[2]) if shared else (msg[2],)):
+                head = payload[:40]
+                if DELTA_MARK in head:
+                    body = orjson.loads(payload)
+                    rid, n = body["id"], sum(len(ch["token_ids"]) for ch in body["choices"])
+                    if in_window:
+                        tokens += n
+                        deltas += 1
+                        if rid in last:
+                            gaps.append(now - last[rid])
+                        elif submitted.get(rid, 0) >= t_from:
+                            ttft.append(now - submitted[rid])
+                    last[rid] = now
+                elif FINAL_MARK in head:
+                    done.append(orjson.loads(payload)["id"])
+                    finals += in_window
+        if shared and reply in confirmed:
+            start(concurrency)
+        elif confirmed:
+            enqueue([ch.decode()[len(c.out_channel("")):] for ch in confirmed])
+        if done:
+            if not shared:
+                sock.sendall(hiredis.pack_command(("UNSUBSCRIBE", *[c.out_channel(rid) for rid in done])))
+            for rid in done:
+                submitted.pop(rid, None), last.pop(rid, None)
+            if now < t_to:
+                start(len(done))
+    cpu = time.process_time() - (cpu0 if cpu0 is not None else time.process_time())
+    report.put({"tokens": tokens, "deltas": deltas, "finals": finals, "publishes": publishes, "ttft": ttft,
+                "gaps": gaps, "cpu_s": cpu})
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its reaped children (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker_tokens(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("gaggle_worker_generated_tokens_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _redis_snapshot(r: redis.Redis) -> dict:
+    cpu = r.info("cpu")
+    stats = r.info("commandstats")
+    return {"cpu": cpu["used_cpu_user"] + cpu["used_cpu_sys"],
+            "commands": {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}}
+
+
+def _probe(r: redis.Redis, until: float, out: list[float]) -> None:
+    while time.time() < until:
+        t = time.perf_counter()
+        r.ping()
+        out.append(time.perf_counter() - t)
+        time.sleep(0.01)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def start_workers(url: str, n: int, rate: float, seqs: int, logs: str) -> list[tuple[subprocess.Popen, int]]:
+    workers = []
+    for i in range(n):
+        port = free_port()
+        cmd = [sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
+               "--engine", f"synthetic:{rate:g}", "--max-num-seqs", str(seqs), "--name", f"scale-w{i}",
+               "--metrics-port", str(port)]
+        with open(os.path.join(logs, f"worker-{i}.log"), "w") as log:
+            workers.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log), port))
+    return workers
+
+
+def wait_workers(r: redis.Redis, n: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = [m.decode() for m in r.zrange(c.WORKER_REGISTRY, 0, -1)]
+        if sum(r.exists(c.heartbeat_key(name)) for name in names) >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{n} workers did not all start within {timeout_s:g} s")
+
+
+def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int, warm_s: float,
+        measure_s: float, shared: bool = True) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gaggle-scale-") as tmp:
+        server = RedisServer(tmp).start()
+        r = redis.Redis(port=server.port)
+        workers = start_workers(server.url, num_workers, rate, seqs, tmp)
+        procs: list[multiprocessing.Process] = []
+        try:
+            wait_workers(r, num_workers)
+            concurrency = num_workers * seqs
+            t_from = time.time() + warm_s
+            t_to = t_from + measure_s
+            report = multiprocessing.Queue()
+            for d in range(drivers):
+                share = concurrency // drivers + (d < concurrency % drivers)
+                p = multiprocessing.Process(target=drive, args=(server.port, f"d{d}", share, output_len,
+                                                                (t_from, t_to), t_to + 0.5, shared, report),
+                                            daemon=True)
+                p.start()
+                procs.append(p)
+            time.sleep(max(0.0, t_from - time.time()))
+            before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+            cpu_before = [_proc_cpu_s(w.pid) for w, _ in workers], [_proc_cpu_s(p.pid) for p in procs]
+            pings: list[float] = []
+            _probe(redis.Redis(port=server.port), t_to, pings)
+            after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+            cpu_after = [_proc_cpu_s(w.pid) for w, _ in workers], [_proc_cpu_s(p.pid) for p in procs]
+            reports = [report.get(timeout=60) for _ in procs]
+        finally:
+            for p in procs:
+                p.kill()
+            for w, _ in workers:
+                w.kill()
+                w.wait()
+            server.stop()
+    produced = sum(after[1]) - sum(before[1])
+    delivered = sum(rep["tokens"] for rep in reports)
+    commands = {k: after[0]["commands"].get(k, 0) - before[0]["commands"].get(k, 0) for k in after[0]["commands"]}
+    total_commands = sum(commands.values())
+    redis_cpu = after[0]["cpu"] - before[0]["cpu"]
+    top = sorted(((v, k) for k, v in commands.items() if v), reverse=True)[:4]
+    return {
+        "channels": "reply" if shared else "per request", "workers": num_workers, "rate": rate, "seqs": seqs, "drivers": drivers, "window_s": measure_s,
+        "produced_tok_s": produced / measure_s, "delivered_tok_s": delivered / measure_s,
+        "delivered_ratio": delivered / produced if produced else float("nan"),
+        "redis_cores": redis_cpu / measure_s,
+        "redis_us_per_token": 1e6 * redis_cpu / delivered if delivered else float("nan"),
+        "commands_per_token": total_commands / produced if produced else float("nan"),
+        "top_commands": ", ".join(f"{k} {v / produced:.3f}" for v, k in top) if produced else "",
+        "ping_ms_p50": 1e3 * _pct(pings, 0.5), "ping_ms_p99": 1e3 * _pct(pings, 0.99),
+        "ttft_ms_p50": 1e3 * _pct([x for rep in reports for x in rep["ttft"]], 0.5),
+        "ttft_ms_p99": 1e3 * _pct([x for rep in reports for x in rep["ttft"]], 0.99),
+        "gap_ms_p50": 1e3 * _pct([x for rep in reports for x in rep["gaps"]], 0.5),
+        "gap_ms_p99": 1e3 * _pct([x for rep in reports for x in rep["gaps"]], 0.99),
+        "tokens_per_delta": delivered / max(1, sum(rep["deltas"] for rep in reports)),
+        "tokens_per_publish": delivered / max(1, sum(rep["publishes"] for rep in reports)),
+        "worker_cores": (sum(cpu_after[0]) - sum(cpu_before[0])) / measure_s,
+        "driver_cores": (sum(cpu_after[1]) - sum(cpu_before[1])) / measure_s,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| channels | workers × rate (slots) | produced tok/s | delivered tok/s | delivered / produced | "
+            "Redis cores | Redis µs / token | capacity at 1 core, tok/s | commands / token (largest) | "
+            "PING ms p50 / p99 | first delta ms p50 / p99 | delta gap ms p50 / p99 | tokens / PUBLISH | "
+            "worker / driver cores |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['channels']} | {r['workers']} × {r['rate']:,.0f} ({r['seqs']}) | {r['produced_tok_s']:,.0f} "
+        f"| {r['delivered_tok_s']:,.0f} | {r['delivered_ratio']:.3f} | {r['redis_cores']:.2f} "
+        f"| {r['redis_us_per_token']:.2f} | {1e6 / r['redis_us_per_token']:,.0f} "
+        f"| {r['commands_per_token']:.3f} ({r['top_commands']}) | {r['ping_ms_p50']:.2f} / {r['ping_ms_p99']:.2f} "
+        f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} | {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
+        f"| {r['tokens_per_publish']:.1f} | {r['worker_cores']:.2f} / {r['driver_cores']:.2f} |\n" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", default="1,2,4,8,16", help="comma-separated worker counts, one row each")
+    ap.add_argument("--rate", type=float, default=80_000, help="tokens/s of each synthetic worker")
+    ap.add_argument("--seqs", type=int, default=1024, help="slots per worker; that many streams each, in flight")
+    ap.add_argument("--drivers", type=int, default=0, help="driver processes (default: one per 2 workers, ≥ 1)")
+    ap.add_argument("--channels", default="reply", help="reply (the API's way), per-request (before), or both")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--warm-up", type=float, default=5.0, help="seconds before the window")
+    ap.add_argument("--window", type=float, default=15.0, help="seconds measured")
+    ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
+    args = ap.parse_args(argv)
+    modes = {"reply": [True], "per-request": [False], "both": [False, True]}[args.channels]
+    rows = []
+    for n in map(int, args.workers.split(",")):
+        for shared in modes:
+            drivers = args.drivers or max(1, n // 2)
+            rows.append(run(n, args.rate, args.seqs, drivers, args.output_len, args.warm_up, args.window, shared))
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
+    cores = os.cpu_count()
+    body = table(rows) + "\n" + NOTES
+    publish(f"One Redis under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench", argv, body,
+            args.out)
+    return 0
+
+
+NOTES = (
+    "Each worker runs the real engine loop and worker I/O over a synthetic runner (tokens at the given rate); "
+    "drivers stand in for API processes on Redis (subscribe first, then enqueue; one pub/sub connection each; "
+    "closed loop at one request per slot). *Redis µs / token* is redis-server's CPU over the window per "
+    "delivered token; *capacity* is one core divided by it. *commands / token* counts every command Redis ran "
+    "(workers' reads, PUBLISHes, results, acks, heartbeats; drivers' SUBSCRIBE, XADD, UNSUBSCRIBE) per produced "
+    "token. Where workers and drivers need more cores than the machine has, produced falls short of "
+    "workers × rate: read the Redis columns, not the throughput.\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
