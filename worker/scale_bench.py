@@ -270,6 +270,113 @@ def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int,
     }
 
 
+def _tree_cpu_s(root: int) -> float:
+    """CPU seconds of a process and its live descendants (the API's uvicorn workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            total += _proc_cpu_s(pid)
+        except OSError:
+            continue
+        todo += children.get(pid, [])
+    return total
+
+
+def _wait_ready(url: str, workers: int, timeout_s: float = 120.0) -> None:
+    import json
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2) as resp:
+                if json.loads(resp.read()).get("workers", 0) >= workers:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the API at {url} did not see {workers} workers within {timeout_s:g} s")
+
+
+def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, client_procs: int, output_len: int,
+                 rounds: int) -> dict:
+    """The whole served path: the workers behind ``gaggle api`` (``api_procs`` processes), loaded by
+    ``gaggle bench`` (closed loop, one stream per slot, ``rounds`` requests per slot)."""
+    import json
+    with tempfile.TemporaryDirectory(prefix="gaggle-scale-") as tmp:
+        server = RedisServer(tmp).start()
+        r = redis.Redis(port=server.port)
+        workers = start_workers(server.url, num_workers, rate, seqs, tmp)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(os.path.join(tmp, "api.log"), "w") as log:
+            api = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "api", "--redis-url",
+                                    server.url, "--port", str(port), "--workers", str(api_procs)],
+                                   stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            wait_workers(r, num_workers)
+            _wait_ready(url, num_workers)
+            concurrency = num_workers * seqs
+            saved = os.path.join(tmp, "bench.json")
+            before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+            cpu_before = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
+            t0 = time.time()
+            subprocess.run([sys.executable, "-m", "worker.cli", "bench", "--base-url", url, "--num-prompts",
+                            str(concurrency * rounds), "--max-concurrency", str(concurrency), "--input-len", "16",
+                            "--output-len", str(output_len), "--ignore-eos", "--client-processes", str(client_procs),
+                            "--save-result", saved], check=True, stdout=subprocess.DEVNULL)
+            wall = time.time() - t0
+            after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+            cpu_after = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
+            with open(saved) as f:
+                result = json.load(f)
+        finally:
+            api.terminate()
+            for w, _ in workers:
+                w.kill()
+                w.wait()
+            try:
+                api.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                api.kill()
+            server.stop()
+    m = result["metrics"]
+    produced = sum(after[1]) - sum(before[1])
+    delivered = m["total_output_tokens"]
+    commands = sum(after[0]["commands"].get(k, 0) - before[0]["commands"].get(k, 0) for k in after[0]["commands"])
+    client = result.get("client") or {}
+    return {"workers": num_workers, "rate": rate, "seqs": seqs, "api_procs": api_procs, "clients": client_procs,
+            "delivered_tok_s": m["output_throughput"], "failed": m["failed"], "produced_tokens": produced,
+            "delivered_tokens": delivered,
+            "api_cores": (cpu_after[0] - cpu_before[0]) / wall, "api_us_per_token": 1e6 * (cpu_after[0] - cpu_before[0]) / delivered,
+            "worker_cores": (cpu_after[1] - cpu_before[1]) / wall,
+            "redis_us_per_token": 1e6 * (after[0]["cpu"] - before[0]["cpu"]) / delivered,
+            "commands_per_token": commands / max(1, produced),
+            "client_cpu": client.get("cpu_per_wall", float("nan")),
+            "ttft_ms_p50": m["median_ttft_ms"], "ttft_ms_p99": m["p99_ttft_ms"],
+            "itl_ms_p50": m["median_itl_ms"], "itl_ms_p99": m["p99_itl_ms"]}
+
+
+def api_table(rows: list[dict]) -> str:
+    head = ("| workers × rate (slots) | API processes | client processes | delivered tok/s | failed | API cores | "
+            "API µs / token | worker cores | Redis µs / token | commands / token | client CPU s/s | TTFT ms p50 / p99 | "
+            "ITL ms p50 / p99 |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['workers']} × {r['rate']:,.0f} ({r['seqs']}) | {r['api_procs']} | {r['clients']} "
+        f"| {r['delivered_tok_s']:,.0f} | {r['failed']} | {r['api_cores']:.2f} | {r['api_us_per_token']:.1f} "
+        f"| {r['worker_cores']:.2f} | {r['redis_us_per_token']:.2f} | {r['commands_per_token']:.3f} "
+        f"| {r['client_cpu']:.2f} | {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} "
+        f"| {r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |\n" for r in rows)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| channels | workers × rate (slots) | produced tok/s | delivered tok/s | delivered / produced | "
             "Redis cores | Redis µs / token | capacity at 1 core, tok/s | commands / token (largest) | "
@@ -294,8 +401,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--warm-up", type=float, default=5.0, help="seconds before the window")
     ap.add_argument("--window", type=float, default=15.0, help="seconds measured")
+    ap.add_argument("--tier", default="redis", choices=["redis", "api"],
+                    help="redis: drivers in place of the API; api: gaggle api + gaggle bench (the whole path)")
+    ap.add_argument("--api-procs", type=int, default=1, help="--tier api: API processes")
+    ap.add_argument("--clients", type=int, default=1, help="--tier api: gaggle bench client processes")
+    ap.add_argument("--rounds", type=int, default=4, help="--tier api: requests per slot")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
     args = ap.parse_args(argv)
+    cores = os.cpu_count()
+    if args.tier == "api":
+        rows = []
+        for n in map(int, args.workers.split(",")):
+            rows.append(run_api_tier(n, args.rate, args.seqs, args.api_procs, args.clients, args.output_len,
+                                     args.rounds))
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
+        publish(f"The served path under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench",
+                argv, api_table(rows) + "\n" + API_NOTES, args.out)
+        return 0
     modes = {"reply": [True], "per-request": [False], "both": [False, True]}[args.channels]
     rows = []
     for n in map(int, args.workers.split(",")):
@@ -303,7 +425,6 @@ def main(argv: list[str] | None = None) -> int:
             drivers = args.drivers or max(1, n // 2)
             rows.append(run(n, args.rate, args.seqs, drivers, args.output_len, args.warm_up, args.window, shared))
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
-    cores = os.cpu_count()
     body = table(rows) + "\n" + NOTES
     publish(f"One Redis under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench", argv, body,
             args.out)
@@ -318,6 +439,12 @@ NOTES = (
     "(workers' reads, PUBLISHes, results, acks, heartbeats; drivers' SUBSCRIBE, XADD, UNSUBSCRIBE) per produced "
     "token. Where workers and drivers need more cores than the machine has, produced falls short of "
     "workers × rate: read the Redis columns, not the throughput.\n")
+
+API_NOTES = (
+    "`gaggle api` (its processes and their uvicorn children, CPU from /proc) in front of the synthetic workers, "
+    "loaded by `gaggle bench` with 16-token prompts, ignore_eos, one stream per slot until every slot ran "
+    "`--rounds` requests. *API µs / token*: the API processes' CPU per delivered token; *client CPU*: what the "
+    "bench reports for its own processes (near 1.0 per process: it is the bottleneck).\n")
 
 
 if __name__ == "__main__":
