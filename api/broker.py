@@ -25,15 +25,23 @@ PUBSUB_CLIENT_NAME = "gaggle-api-pubsub"  # the one subscriber connection of an 
 TENANTS_CACHE_S = 1.0  # how long the list of tenants (their streams) is reused for queue depths
 
 
+# A burst of concurrent requests waits for a pooled connection instead of failing: redis-py's default pool
+# raises "Too many connections" past 100 at once (redis 8), which made a 256-stream burst answer 503s.
+POOL_CONNECTIONS = 256
+POOL_WAIT_S = 20.0
+
+
 def resilient_client(redis_url: str, name: str, **kwargs) -> aioredis.Redis:
     """A client that survives a Redis restart: a command on a stale pooled connection reconnects and is retried
     (backoff 50 ms doubling to 1 s, ~2.5 s in all, then the error), and idle connections are checked first.
     A retried write may run twice if Redis ran it and the reply was lost; every write here is idempotent by
     request id (or harmless twice: an XADD of the same request is a duplicate delivery the workers skip)."""
-    return aioredis.Redis.from_url(
-        redis_url, client_name=name, socket_connect_timeout=5, health_check_interval=5,
+    pool = aioredis.BlockingConnectionPool.from_url(
+        redis_url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, client_name=name, socket_connect_timeout=5,
+        health_check_interval=5,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6, supported_errors=(ConnectionError,)),
         **kwargs)
+    return aioredis.Redis.from_pool(pool)
 
 
 @dataclass

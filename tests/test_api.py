@@ -448,3 +448,4 @@ def test_an_unwatched_async_request_publishes_no_deltas(http, stack):
     pubsub.close()
     assert done["status"] == "completed" and len(done["choices"][0]["text"]) > 0
     assert "final" in kinds and "delta" not in kinds, kinds
+

@@ -159,6 +159,37 @@ def test_one_connection_multiplexes_shared_channels_and_drops_stale_ones(redis_s
     asyncio.run(scenario())
 
 
+def test_enqueues_piling_up_while_redis_stalls_wait_for_a_connection(redis_server):
+    """Redis stalls for 1.5 s (a busy script: like a fork or a slow disk) while 300 requests are being queued:
+    they wait for a pooled connection instead of failing past the pool's default size (100 in redis-py 8:
+    'Too many connections', which the API answered 503 queue_unavailable)."""
+    import redis.asyncio as aioredis
+
+    from api.broker import Broker
+    url = redis_server.url.rsplit("/", 1)[0] + "/5"
+    stall = ("local s = redis.call('TIME') local t0 = s[1] * 1e6 + s[2] "
+             "while true do local n = redis.call('TIME') if n[1] * 1e6 + n[2] - t0 > 1500000 then break end end "
+             "return 1")
+
+    async def scenario() -> list:
+        broker = Broker(url)
+        await broker.start()
+        other = aioredis.Redis.from_url(url)
+        stalled = asyncio.create_task(other.eval(stall, 0))
+        await asyncio.sleep(0.1)
+        reqs = [c.QueuedRequest(id=f"stall-{i}", prompt_token_ids=[1, 2], params={"max_tokens": 1}) for i in range(300)]
+        outcomes = await asyncio.gather(*[broker.enqueue([req]) for req in reqs], return_exceptions=True)
+        await stalled
+        queued = await other.xlen(reqs[0].stream_key)
+        await other.flushdb()
+        await other.aclose()
+        await broker.stop()
+        return [o for o in outcomes if o is not None], queued
+
+    errors, queued = asyncio.run(scenario())
+    assert errors == [] and queued == 300, errors[:3]
+
+
 # -- the server without a worker ---------------------------------------------------------------
 
 def test_request_timeout_cancels_and_answers_504(offline, client):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -348,6 +349,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
             except subprocess.TimeoutExpired:
                 api.kill()
             server.stop()
+            shutil.copy(os.path.join(tmp, "api.log"), os.path.join(tempfile.gettempdir(), "gaggle-scale-api.log"))
     m = result["metrics"]
     produced = sum(after[1]) - sum(before[1])
     delivered = m["total_output_tokens"]
@@ -362,7 +364,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
             "commands_per_token": commands / max(1, produced),
             "client_cpu": client.get("cpu_per_wall", float("nan")),
             "ttft_ms_p50": m["median_ttft_ms"], "ttft_ms_p99": m["p99_ttft_ms"],
-            "itl_ms_p50": m["median_itl_ms"], "itl_ms_p99": m["p99_itl_ms"]}
+            "itl_ms_p50": m["median_itl_ms"], "itl_ms_p99": m["p99_itl_ms"], "errors": m["errors"][:3]}
 
 
 def api_table(rows: list[dict]) -> str:
