@@ -12,7 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "gaggle: installing torch 2.13.0 ($(if $(TORCH_INDEX),CPU build: no NVIDIA GPU found,CUDA build: nvidia-smi found))"
-	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX)   # first: nothing else may pull another build
+	$(PY) -m pip install -q --retries 1 torch==2.13.0 $(TORCH_INDEX)   # first: nothing else may pull another build
+	# (--retries 1: where download.pytorch.org cannot be reached, each of torch's packages waited ~8 s for it)
 	@echo "gaggle: installing gaggle and its test tools"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@

@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     log_format: str = "json"
 
 
-def get_settings(request: Request) -> Settings:
-    """The app's settings (a dependency; tests override it or pass their own to create_app)."""
+async def get_settings(request: Request) -> Settings:
+    """The app's settings (a dependency; tests override it or pass their own to create_app). Async: FastAPI
+    runs a plain ``def`` dependency in its thread pool, a thread hand-off per request."""
     return request.app.state.settings

@@ -379,6 +379,112 @@ def api_table(rows: list[dict]) -> str:
         f"| {r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |\n" for r in rows)
 
 
+def accept_client(url: str, concurrency: int, until: float, report) -> None:
+    """POST /v1/requests (async: the API queues it and answers 202) from ``concurrency`` keep-alive connections
+    until ``until``; report each answer's status and latency."""
+    import asyncio
+
+    from worker.loadgen.http import Endpoint, Pool
+
+    async def main() -> None:
+        endpoint = Endpoint.parse(url + "/v1/requests")
+        pool = Pool(endpoint)
+        head = endpoint.request_head("POST", {"Content-Type": "application/json"})
+        statuses: dict[int, int] = {}
+        latencies: list[float] = []
+        cpu0 = time.process_time()
+
+        async def loop(k: int) -> None:
+            i = 0
+            while time.time() < until:
+                i += 1
+                body = b'{"endpoint":"completions","prompt":"The goose %d-%d walked along the river","max_tokens":8}' % (k, i)
+                t = time.perf_counter()
+                response = await pool.send(head, body)
+                await response.read_body()
+                pool.release(response)
+                latencies.append(time.perf_counter() - t)
+                statuses[response.status] = statuses.get(response.status, 0) + 1
+
+        await asyncio.gather(*[loop(k) for k in range(concurrency)])
+        pool.close()
+        report.put({"statuses": statuses, "latencies": latencies, "cpu_s": time.process_time() - cpu0})
+
+    asyncio.run(main())
+
+
+def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: float) -> dict:
+    """How many async requests per second ``api_procs`` API processes accept (queued in Redis, 202), with no
+    worker: nothing competes with the API for the CPU but Redis and the clients."""
+    with tempfile.TemporaryDirectory(prefix="gaggle-scale-") as tmp:
+        server = RedisServer(tmp).start()
+        r = redis.Redis(port=server.port)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(os.path.join(tmp, "api.log"), "w") as log:
+            api = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "api", "--redis-url",
+                                    server.url, "--port", str(port), "--workers", str(api_procs), "--max-queue",
+                                    "100000000"], stdout=subprocess.DEVNULL, stderr=log)
+        procs = []
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=2).read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the API did not start") from None
+                    time.sleep(0.3)
+            report = multiprocessing.Queue()
+            start = time.time() + 1.0
+            until = start + seconds
+            for k in range(client_procs):
+                share = concurrency // client_procs + (k < concurrency % client_procs)
+                p = multiprocessing.Process(target=accept_client, args=(url, share, until, report), daemon=True)
+                p.start()
+                procs.append(p)
+            redis_before, api_before = _redis_snapshot(r), _tree_cpu_s(api.pid)
+            reports = [report.get(timeout=seconds + 120) for _ in procs]
+            redis_after, api_after = _redis_snapshot(r), _tree_cpu_s(api.pid)
+            wall = time.time() - start
+            queued = sum(r.xlen(s) for s in r.scan_iter(match=c.request_stream("*", "*")))
+        finally:
+            for p in procs:
+                p.kill()
+            api.terminate()
+            try:
+                api.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                api.kill()
+            server.stop()
+    statuses: dict[int, int] = {}
+    for rep in reports:
+        for code, n in rep["statuses"].items():
+            statuses[code] = statuses.get(code, 0) + n
+    latencies = [x for rep in reports for x in rep["latencies"]]
+    accepted = statuses.get(202, 0)
+    return {"api_procs": api_procs, "clients": client_procs, "concurrency": concurrency,
+            "accepted_per_s": accepted / seconds, "statuses": statuses, "queued": queued,
+            "latency_ms_p50": 1e3 * _pct(latencies, 0.5), "latency_ms_p99": 1e3 * _pct(latencies, 0.99),
+            "api_cores": (api_after - api_before) / wall,
+            "api_us_per_request": 1e6 * (api_after - api_before) / max(1, accepted),
+            "redis_us_per_request": 1e6 * (redis_after["cpu"] - redis_before["cpu"]) / max(1, accepted),
+            "client_cores": sum(rep["cpu_s"] for rep in reports) / seconds}
+
+
+def accept_table(rows: list[dict]) -> str:
+    head = ("| API processes | client processes × connections | accepted / s | answers | queued | latency ms p50 / p99 | "
+            "API cores | API µs / request | Redis µs / request | client cores |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['api_procs']} | {r['clients']} × {r['concurrency'] // r['clients']} | {r['accepted_per_s']:,.0f} "
+        f"| {', '.join(f'{k}: {v:,}' for k, v in sorted(r['statuses'].items()))} | {r['queued']:,} "
+        f"| {r['latency_ms_p50']:.1f} / {r['latency_ms_p99']:.1f} | {r['api_cores']:.2f} "
+        f"| {r['api_us_per_request']:.0f} | {r['redis_us_per_request']:.1f} | {r['client_cores']:.2f} |\n"
+        for r in rows)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| channels | workers × rate (slots) | produced tok/s | delivered tok/s | delivered / produced | "
             "Redis cores | Redis µs / token | capacity at 1 core, tok/s | commands / token (largest) | "
@@ -403,14 +509,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--warm-up", type=float, default=5.0, help="seconds before the window")
     ap.add_argument("--window", type=float, default=15.0, help="seconds measured")
-    ap.add_argument("--tier", default="redis", choices=["redis", "api"],
-                    help="redis: drivers in place of the API; api: gaggle api + gaggle bench (the whole path)")
+    ap.add_argument("--tier", default="redis", choices=["redis", "api", "accept"],
+                    help="redis: drivers in place of the API; api: gaggle api + gaggle bench (the whole path); "
+                         "accept: async requests accepted per second, no worker")
+    ap.add_argument("--connections", type=int, default=64, help="--tier accept: concurrent connections in all")
+    ap.add_argument("--seconds", type=float, default=10.0, help="--tier accept: how long")
     ap.add_argument("--api-procs", type=int, default=1, help="--tier api: API processes")
     ap.add_argument("--clients", type=int, default=1, help="--tier api: gaggle bench client processes")
     ap.add_argument("--rounds", type=int, default=4, help="--tier api: requests per slot")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
     args = ap.parse_args(argv)
     cores = os.cpu_count()
+    if args.tier == "accept":
+        rows = [run_accept(args.api_procs, args.clients, args.connections, args.seconds)]
+        print(rows[-1] | {"statuses": rows[-1]["statuses"]}, file=sys.stderr)
+        publish(f"Async requests accepted per second (issue 13), {cores} CPU cores", "worker.scale_bench", argv,
+                accept_table(rows) + "\n" + ACCEPT_NOTES, args.out)
+        return 0
     if args.tier == "api":
         rows = []
         for n in map(int, args.workers.split(",")):
@@ -447,6 +562,11 @@ API_NOTES = (
     "loaded by `gaggle bench` with 16-token prompts, ignore_eos, one stream per slot until every slot ran "
     "`--rounds` requests. *API µs / token*: the API processes' CPU per delivered token; *client CPU*: what the "
     "bench reports for its own processes (near 1.0 per process: it is the bottleneck).\n")
+
+ACCEPT_NOTES = (
+    "`POST /v1/requests` (a 20-token completion prompt, max_tokens 8) from keep-alive connections in a closed loop, "
+    "no worker running: each accepted request is tokenized, admitted (queue depth), and queued in one MULTI "
+    "(tenant, record, stream entry). *API µs / request*: the API processes' CPU (from /proc) per 202.\n")
 
 
 if __name__ == "__main__":
