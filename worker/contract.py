@@ -248,7 +248,8 @@ class QueuedRequest:
         return request_stream(self.priority, self.tenant)
 
     def encode(self) -> dict[bytes, bytes]:
-        return {ENTRY_FIELD: dumps({"v": SCHEMA_VERSION, **asdict(self)})}
+        # shallow: asdict() deep-copies the params and the token list only for orjson to read them (a hot path)
+        return {ENTRY_FIELD: dumps({"v": SCHEMA_VERSION, **{f.name: getattr(self, f.name) for f in _QUEUED_FIELDS}})}
 
     def enqueue(self, pipe) -> None:
         """Queue on a redis pipeline (sync or asyncio; MULTI for all-or-nothing) what submits this request: its
@@ -342,6 +343,9 @@ _REQUEST_FIELDS = {
                                      _expect(value == "" or value.startswith(REPLY_PREFIX), name,
                                              f"'' or a channel starting {REPLY_PREFIX!r}")),
 }
+
+
+_QUEUED_FIELDS = fields(QueuedRequest)
 
 
 def request_id_of(fields: dict) -> str | None:

@@ -444,10 +444,12 @@ def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: flo
                 p = multiprocessing.Process(target=accept_client, args=(url, share, until, report), daemon=True)
                 p.start()
                 procs.append(p)
+            time.sleep(max(0.0, start - time.time()))
             redis_before, api_before = _redis_snapshot(r), _tree_cpu_s(api.pid)
-            reports = [report.get(timeout=seconds + 120) for _ in procs]
+            time.sleep(max(0.0, until - time.time()))
             redis_after, api_after = _redis_snapshot(r), _tree_cpu_s(api.pid)
             wall = time.time() - start
+            reports = [report.get(timeout=120) for _ in procs]
             queued = sum(r.xlen(s) for s in r.scan_iter(match=c.request_stream("*", "*")))
         finally:
             for p in procs:
