@@ -49,18 +49,16 @@ class GenerationService:
         """429 when the queue is over max_queue; 503 when no worker is alive."""
         retry = {"Retry-After": str(self.settings.retry_after_s)}
         try:
-            depths = await self.broker.queue_depth()
+            depth, own = await self.broker.admission_depths(job.tenant)
             workers = await self.broker.live_workers() if require_worker else []
         except (RedisError, OSError) as e:
             log.error("redis unavailable at admission", extra={"request_id": job.id, "error": str(e)})
             raise OpenAIError(503, "the request queue is unavailable; try again later", code="queue_unavailable",
                               headers=retry) from None
-        depth = sum(depths.values())
         if depth + len(job.requests) > self.settings.max_queue:
             log.info("request rejected: queue full", extra={"request_id": job.id, "queue_depth": depth})
             raise OpenAIError(429, f"the queue is full ({depth} requests waiting or running, limit "
                                    f"{self.settings.max_queue}); retry later", code="queue_full", headers=retry)
-        own = sum(depths.get(c.request_stream(p, job.tenant), 0) for p in c.PRIORITIES)
         per_tenant = self.settings.max_queue_per_tenant
         if per_tenant and own + len(job.requests) > per_tenant:
             log.info("request rejected: tenant's queue full", extra={"request_id": job.id, "tenant": job.tenant,

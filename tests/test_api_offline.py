@@ -395,6 +395,26 @@ def test_full_queue_is_429_with_retry_after(offline, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
 
 
+def test_other_tenants_queued_requests_count_toward_the_full_queue(offline):
+    """Admission reads the caller's own streams anew and the other tenants' from a snapshot (≤ 0.1 s old, the
+    tenant list ≤ 1 s): another tenant's backlog alone fills the queue."""
+    clear_queue(offline.r)
+    other = c.request_stream("interactive", "tenant-x")
+    offline.r.zadd(c.TENANTS, {"tenant-x": time.time()})
+    for _ in range(MAX_QUEUE):
+        offline.r.xadd(other, {c.ENTRY_FIELD: b"{}"})
+    try:
+        def answer() -> int:
+            return httpx.post(offline.url + "/v1/requests", json={"endpoint": "completions", "prompt": "x"}).status_code
+        assert wait_for(lambda: answer() == 429, 5, 0.2, "the other tenant's backlog seen")
+        offline.r.delete(other)
+        assert wait_for(lambda: answer() == 202, 5, 0.05, "the backlog gone")
+    finally:
+        offline.r.delete(other)
+        offline.r.zrem(c.TENANTS, "tenant-x")
+        clear_queue(offline.r)
+
+
 def test_fuzzed_requests_never_get_a_5xx_and_4xx_are_openai_errors(offline):
     """Schemathesis (v4) generates valid and invalid requests for every operation of the OpenAPI schema.
 

@@ -413,12 +413,15 @@ def accept_client(url: str, concurrency: int, until: float, report) -> None:
     asyncio.run(main())
 
 
-def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: float) -> dict:
+def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: float, tenants: int = 1) -> dict:
     """How many async requests per second ``api_procs`` API processes accept (queued in Redis, 202), with no
-    worker: nothing competes with the API for the CPU but Redis and the clients."""
+    worker: nothing competes with the API for the CPU but Redis and the clients. ``tenants``: that many tenants
+    known to Redis (the others with empty streams), as admission sees them."""
     with tempfile.TemporaryDirectory(prefix="gaggle-scale-") as tmp:
         server = RedisServer(tmp).start()
         r = redis.Redis(port=server.port)
+        if tenants > 1:
+            r.zadd(c.TENANTS, {f"tenant-{i}": time.time() for i in range(tenants - 1)})
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         with open(os.path.join(tmp, "api.log"), "w") as log:
@@ -466,7 +469,7 @@ def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: flo
             statuses[code] = statuses.get(code, 0) + n
     latencies = [x for rep in reports for x in rep["latencies"]]
     accepted = statuses.get(202, 0)
-    return {"api_procs": api_procs, "clients": client_procs, "concurrency": concurrency,
+    return {"api_procs": api_procs, "clients": client_procs, "concurrency": concurrency, "tenants": tenants,
             "accepted_per_s": accepted / seconds, "statuses": statuses, "queued": queued,
             "latency_ms_p50": 1e3 * _pct(latencies, 0.5), "latency_ms_p99": 1e3 * _pct(latencies, 0.99),
             "api_cores": (api_after - api_before) / wall,
@@ -476,11 +479,11 @@ def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: flo
 
 
 def accept_table(rows: list[dict]) -> str:
-    head = ("| API processes | client processes × connections | accepted / s | answers | queued | latency ms p50 / p99 | "
+    head = ("| API processes | tenants | client processes × connections | accepted / s | answers | queued | latency ms p50 / p99 | "
             "API cores | API µs / request | Redis µs / request | client cores |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r['api_procs']} | {r['clients']} × {r['concurrency'] // r['clients']} | {r['accepted_per_s']:,.0f} "
+        f"| {r['api_procs']} | {r['tenants']} | {r['clients']} × {r['concurrency'] // r['clients']} | {r['accepted_per_s']:,.0f} "
         f"| {', '.join(f'{k}: {v:,}' for k, v in sorted(r['statuses'].items()))} | {r['queued']:,} "
         f"| {r['latency_ms_p50']:.1f} / {r['latency_ms_p99']:.1f} | {r['api_cores']:.2f} "
         f"| {r['api_us_per_request']:.0f} | {r['redis_us_per_request']:.1f} | {r['client_cores']:.2f} |\n"
@@ -516,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                          "accept: async requests accepted per second, no worker")
     ap.add_argument("--connections", type=int, default=64, help="--tier accept: concurrent connections in all")
     ap.add_argument("--seconds", type=float, default=10.0, help="--tier accept: how long")
+    ap.add_argument("--tenants", default="1", help="--tier accept: comma-separated tenant counts, one row each")
     ap.add_argument("--api-procs", type=int, default=1, help="--tier api: API processes")
     ap.add_argument("--clients", type=int, default=1, help="--tier api: gaggle bench client processes")
     ap.add_argument("--rounds", type=int, default=4, help="--tier api: requests per slot")
@@ -523,8 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cores = os.cpu_count()
     if args.tier == "accept":
-        rows = [run_accept(args.api_procs, args.clients, args.connections, args.seconds)]
-        print(rows[-1] | {"statuses": rows[-1]["statuses"]}, file=sys.stderr)
+        rows = [run_accept(args.api_procs, args.clients, args.connections, args.seconds, int(t))
+                for t in args.tenants.split(",")]
+        print(rows, file=sys.stderr)
         publish(f"Async requests accepted per second (issue 13), {cores} CPU cores", "worker.scale_bench", argv,
                 accept_table(rows) + "\n" + ACCEPT_NOTES, args.out)
         return 0
