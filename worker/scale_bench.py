@@ -24,6 +24,7 @@ delivered rate says little about Redis; its cost per token and commands per toke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import redis
 
@@ -307,6 +309,37 @@ def _wait_ready(url: str, workers: int, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"the API at {url} did not see {workers} workers within {timeout_s:g} s")
 
 
+@contextlib.contextmanager
+def api_server(redis_url: str, logs: str, processes: int, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``gaggle api`` with ``processes`` processes, once it answers /health: (process, base URL). Stopped on
+    exit; its log is kept as gaggle-scale-api.log in the temp directory."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(logs, "api.log")
+    with open(log_path, "w") as log:
+        api = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "api", "--redis-url",
+                                redis_url, "--port", str(port), "--workers", str(processes), *extra],
+                               stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or api.poll() is not None:
+                    raise RuntimeError(f"the API did not start (log: {log_path})") from None
+                time.sleep(0.3)
+        yield api, url
+    finally:
+        api.terminate()
+        try:
+            api.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            api.kill()
+        shutil.copy(log_path, os.path.join(tempfile.gettempdir(), "gaggle-scale-api.log"))
+
+
 def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, client_procs: int, output_len: int,
                  rounds: int) -> dict:
     """The whole served path: the workers behind ``gaggle api`` (``api_procs`` processes), loaded by
@@ -316,40 +349,29 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
         server = RedisServer(tmp).start()
         r = redis.Redis(port=server.port)
         workers = start_workers(server.url, num_workers, rate, seqs, tmp)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        with open(os.path.join(tmp, "api.log"), "w") as log:
-            api = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "api", "--redis-url",
-                                    server.url, "--port", str(port), "--workers", str(api_procs)],
-                                   stdout=subprocess.DEVNULL, stderr=log)
         try:
-            wait_workers(r, num_workers)
-            _wait_ready(url, num_workers)
-            concurrency = num_workers * seqs
-            saved = os.path.join(tmp, "bench.json")
-            before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
-            cpu_before = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
-            t0 = time.time()
-            subprocess.run([sys.executable, "-m", "worker.cli", "bench", "--base-url", url, "--num-prompts",
-                            str(concurrency * rounds), "--max-concurrency", str(concurrency), "--input-len", "16",
-                            "--output-len", str(output_len), "--ignore-eos", "--client-processes", str(client_procs),
-                            "--save-result", saved], check=True, stdout=subprocess.DEVNULL)
-            wall = time.time() - t0
-            after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
-            cpu_after = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
-            with open(saved) as f:
-                result = json.load(f)
+            with api_server(server.url, tmp, api_procs) as (api, url):
+                wait_workers(r, num_workers)
+                _wait_ready(url, num_workers)
+                concurrency = num_workers * seqs
+                saved = os.path.join(tmp, "bench.json")
+                before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+                cpu_before = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
+                t0 = time.time()
+                subprocess.run([sys.executable, "-m", "worker.cli", "bench", "--base-url", url, "--num-prompts",
+                                str(concurrency * rounds), "--max-concurrency", str(concurrency), "--input-len", "16",
+                                "--output-len", str(output_len), "--ignore-eos", "--client-processes",
+                                str(client_procs), "--save-result", saved], check=True, stdout=subprocess.DEVNULL)
+                wall = time.time() - t0
+                after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+                cpu_after = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
+                with open(saved) as f:
+                    result = json.load(f)
         finally:
-            api.terminate()
             for w, _ in workers:
                 w.kill()
                 w.wait()
-            try:
-                api.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                api.kill()
             server.stop()
-            shutil.copy(os.path.join(tmp, "api.log"), os.path.join(tempfile.gettempdir(), "gaggle-scale-api.log"))
     m = result["metrics"]
     produced = sum(after[1]) - sum(before[1])
     delivered = m["total_output_tokens"]
@@ -422,46 +444,27 @@ def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: flo
         r = redis.Redis(port=server.port)
         if tenants > 1:
             r.zadd(c.TENANTS, {f"tenant-{i}": time.time() for i in range(tenants - 1)})
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        with open(os.path.join(tmp, "api.log"), "w") as log:
-            api = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "api", "--redis-url",
-                                    server.url, "--port", str(port), "--workers", str(api_procs), "--max-queue",
-                                    "100000000"], stdout=subprocess.DEVNULL, stderr=log)
         procs = []
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=2).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the API did not start") from None
-                    time.sleep(0.3)
-            report = multiprocessing.Queue()
-            start = time.time() + 1.0
-            until = start + seconds
-            for k in range(client_procs):
-                share = concurrency // client_procs + (k < concurrency % client_procs)
-                p = multiprocessing.Process(target=accept_client, args=(url, share, until, report), daemon=True)
-                p.start()
-                procs.append(p)
-            time.sleep(max(0.0, start - time.time()))
-            redis_before, api_before = _redis_snapshot(r), _tree_cpu_s(api.pid)
-            time.sleep(max(0.0, until - time.time()))
-            redis_after, api_after = _redis_snapshot(r), _tree_cpu_s(api.pid)
-            wall = time.time() - start
-            reports = [report.get(timeout=120) for _ in procs]
-            queued = sum(r.xlen(s) for s in r.scan_iter(match=c.request_stream("*", "*")))
+            with api_server(server.url, tmp, api_procs, "--max-queue", "100000000") as (api, url):
+                report = multiprocessing.Queue()
+                start = time.time() + 1.0
+                until = start + seconds
+                for k in range(client_procs):
+                    share = concurrency // client_procs + (k < concurrency % client_procs)
+                    p = multiprocessing.Process(target=accept_client, args=(url, share, until, report), daemon=True)
+                    p.start()
+                    procs.append(p)
+                time.sleep(max(0.0, start - time.time()))
+                redis_before, api_before = _redis_snapshot(r), _tree_cpu_s(api.pid)
+                time.sleep(max(0.0, until - time.time()))
+                redis_after, api_after = _redis_snapshot(r), _tree_cpu_s(api.pid)
+                wall = time.time() - start
+                reports = [report.get(timeout=120) for _ in procs]
+                queued = sum(r.xlen(s) for s in r.scan_iter(match=c.request_stream("*", "*")))
         finally:
             for p in procs:
                 p.kill()
-            api.terminate()
-            try:
-                api.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                api.kill()
             server.stop()
     statuses: dict[int, int] = {}
     for rep in reports:
