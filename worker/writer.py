@@ -2,7 +2,8 @@
 
 A write takes every batch of operations (worker/ops.py) the step thread submitted since the last one, folds
 the engine outputs into their requests (InFlight), and sends, pipelined on its own socket: the streaming deltas
-and statuses as plain PUBLISHes, then MULTI, [one script call for async requests' deltas and recorded text],
+and statuses as plain PUBLISHes (one per reply channel for all of its requests' messages, one per message on a
+request's own channel), then MULTI, [one script call for async requests' deltas and recorded text],
 the other commands (results, acknowledgements, records), EXEC. When Redis is slower than the GPU, writes cover
 several steps and a request's deltas of those steps become one message. A failed write is retried until Redis
 answers again, without its plain PUBLISHes (some may have run: deltas are at most once, as pub/sub itself; the
