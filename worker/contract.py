@@ -339,9 +339,8 @@ _REQUEST_FIELDS = {
     "deadline": _wire_time,
     "meta": _wire_dict,
     "owner": _wire_str(MAX_ID_CHARS),
-    "reply_to": lambda name, value: (_wire_str(len(REPLY_PREFIX) + MAX_ID_CHARS)(name, value),
-                                     _expect(value == "" or value.startswith(REPLY_PREFIX), name,
-                                             f"'' or a channel starting {REPLY_PREFIX!r}")),
+    "reply_to": lambda name, value: _expect(value == "" or _is_reply_channel(value), name,
+                                            f"'' or a channel starting {REPLY_PREFIX!r}"),
 }
 
 
@@ -365,8 +364,12 @@ def reply_to_of(fields: dict) -> str:
         value = orjson.loads(raw).get("reply_to")
     except Exception:
         return ""
-    ok = isinstance(value, str) and value.startswith(REPLY_PREFIX) and len(value) <= len(REPLY_PREFIX) + MAX_ID_CHARS
-    return value if ok else ""
+    return value if _is_reply_channel(value) else ""
+
+
+def _is_reply_channel(value: object) -> bool:
+    return (type(value) is str and value.startswith(REPLY_PREFIX)
+            and len(value) <= len(REPLY_PREFIX) + MAX_ID_CHARS)
 
 
 # -- outputs: worker → API ----------------------------------------------------------------
