@@ -3,6 +3,7 @@ its rate, and two synthetic workers on one real Redis serve every request exactl
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -12,7 +13,14 @@ from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.sequence import Request
 from engine.synthetic import parse_engine_spec, synthetic_engine
-from tests.queue_helpers import log_of, pending_count, start_worker, submit, wait_results
+from tests.queue_helpers import (
+    log_of,
+    pending_count,
+    start_worker,
+    submit,
+    wait_results,
+)
+from tests.test_api_support import wait_heartbeat
 
 
 def test_engine_spec():
@@ -42,16 +50,19 @@ def test_synthetic_engine_keeps_its_rate_and_the_engine_semantics():
 
 
 def test_two_synthetic_workers_serve_every_request_once(redis_url):
+    """Both workers are up (heartbeats) before the 200 requests arrive: each takes a share, none runs twice."""
     r = redis.Redis.from_url(redis_url)
+    workers = [start_worker(redis_url, "unused", f"syn{k}", "--engine", "synthetic:1000", "--max-num-seqs", "64")
+               for k in range(2)]
+    for k, w in enumerate(workers):
+        wait_heartbeat(r, f"syn{k}")
     rids = [f"syn-{i}" for i in range(200)]
     for i, rid in enumerate(rids):
         submit(r, rid, [1, 2, 3], max_tokens=16 + i % 5, ignore_eos=True)
-    # ~4.5 s of work for the two (3,600 tokens at 400 tok/s each): the second starts well before the first is done
-    workers = [start_worker(redis_url, "unused", f"syn{k}", "--engine", "synthetic:400", "--burst",
-                            "--max-num-seqs", "64") for k in range(2)]
+    results = wait_results(r, rids, 60)
     for w in workers:
-        assert w.wait(timeout=120) == 0, log_of(w)
-    results = wait_results(r, rids, 5)
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(timeout=60) == 0, log_of(w)
     assert all(res.completion_tokens == 16 + i % 5 and res.status == "completed"
                for i, res in enumerate(results[rid] for rid in rids))
     assert {res.worker for res in results.values()} == {"syn0", "syn1"}
