@@ -58,6 +58,7 @@ class StreamSession:
         self.gapped: set[int] = set()  # choices that missed deltas: the rest of their text comes from the result
         self._last_delta: dict[str, float] = {}
         self._first_token_seen = False
+        self._itl = service.metrics.itl.labels(job.endpoint)  # observed per delta: the labelled child looked up once
         self._closed = False
         # echo with logprobs: a choice's echo waits for its prompt logprobs (they come with its first delta)
         self.echo_pending: dict[int, str] = {}
@@ -182,7 +183,7 @@ class StreamSession:
             log.info("first token", extra={"request_id": self.job.id})
         last = self._last_delta.get(rid)
         if last is not None:
-            metrics.itl.labels(self.job.endpoint).observe(now - last)
+            self._itl.observe(now - last)
         self._last_delta[rid] = now
 
     def _on_final(self, msg: dict) -> dict | None:
