@@ -40,18 +40,12 @@ import redis
 from engine.report import publish
 from worker import contract as c
 from worker.loadgen.scale_load import accept_client, drive
+from worker.procs import cpu_seconds, tree_cpu_seconds
 from worker.redis_server import RedisServer, free_port
 
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
-
-def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its reaped children (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
 
 def _worker_tokens(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
@@ -127,11 +121,11 @@ def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int,
                 procs.append(p)
             time.sleep(max(0.0, t_from - time.time()))
             before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
-            cpu_before = [_proc_cpu_s(w.pid) for w, _ in workers], [_proc_cpu_s(p.pid) for p in procs]
+            cpu_before = [cpu_seconds(w.pid) for w, _ in workers], [cpu_seconds(p.pid) for p in procs]
             pings: list[float] = []
             _probe(redis.Redis(port=server.port), t_to, pings)
             after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
-            cpu_after = [_proc_cpu_s(w.pid) for w, _ in workers], [_proc_cpu_s(p.pid) for p in procs]
+            cpu_after = [cpu_seconds(w.pid) for w, _ in workers], [cpu_seconds(p.pid) for p in procs]
             reports = [report.get(timeout=60) for _ in procs]
         finally:
             for p in procs:
@@ -164,28 +158,6 @@ def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int,
         "worker_cores": (sum(cpu_after[0]) - sum(cpu_before[0])) / measure_s,
         "driver_cores": (sum(cpu_after[1]) - sum(cpu_before[1])) / measure_s,
     }
-
-
-def _tree_cpu_s(root: int) -> float:
-    """CPU seconds of a process and its live descendants (the API's uvicorn workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            total += _proc_cpu_s(pid)
-        except OSError:
-            continue
-        todo += children.get(pid, [])
-    return total
 
 
 def _wait_ready(url: str, workers: int, timeout_s: float = 120.0) -> None:
@@ -249,7 +221,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
                 concurrency = num_workers * seqs
                 saved = os.path.join(tmp, "bench.json")
                 before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
-                cpu_before = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
+                cpu_before = tree_cpu_seconds(api.pid), sum(cpu_seconds(w.pid) for w, _ in workers)
                 t0 = time.time()
                 subprocess.run([sys.executable, "-m", "worker.cli", "bench", "--base-url", url, "--num-prompts",
                                 str(concurrency * rounds), "--max-concurrency", str(concurrency), "--input-len", "16",
@@ -257,7 +229,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
                                 str(client_procs), "--save-result", saved], check=True, stdout=subprocess.DEVNULL)
                 wall = time.time() - t0
                 after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
-                cpu_after = _tree_cpu_s(api.pid), sum(_proc_cpu_s(w.pid) for w, _ in workers)
+                cpu_after = tree_cpu_seconds(api.pid), sum(cpu_seconds(w.pid) for w, _ in workers)
                 with open(saved) as f:
                     result = json.load(f)
         finally:
@@ -315,9 +287,9 @@ def run_accept(api_procs: int, client_procs: int, concurrency: int, seconds: flo
                     p.start()
                     procs.append(p)
                 time.sleep(max(0.0, start - time.time()))
-                redis_before, api_before = _redis_snapshot(r), _tree_cpu_s(api.pid)
+                redis_before, api_before = _redis_snapshot(r), tree_cpu_seconds(api.pid)
                 time.sleep(max(0.0, until - time.time()))
-                redis_after, api_after = _redis_snapshot(r), _tree_cpu_s(api.pid)
+                redis_after, api_after = _redis_snapshot(r), tree_cpu_seconds(api.pid)
                 wall = time.time() - start
                 reports = [report.get(timeout=120) for _ in procs]
                 queued = sum(r.xlen(s) for s in r.scan_iter(match=c.request_stream("*", "*")))

@@ -1,0 +1,45 @@
+"""Processes as Linux's /proc shows them: a process's descendants and its CPU time (benchmarks and tests)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                children.setdefault(int(_stat_fields(int(entry))[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass  # exited while we looked
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its reaped children."""
+    return sum(int(x) for x in _stat_fields(pid)[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of a process and its live descendants (e.g. an API's uvicorn workers)."""
+    total = 0.0
+    for pid in (root, *descendants(root)):
+        try:
+            total += cpu_seconds(pid)
+        except OSError:
+            pass  # exited
+    return total
