@@ -291,8 +291,8 @@ def bench_cuda(shapes: list[str], max_batch: int, decode_only: bool = False) -> 
 def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False) -> str:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    from engine.serve_bench import (CONSTRAINED_HEADER, SERVE_HEADER, Workload, bench_constrained, bench_serve,
-                                    standard_workloads)
+    from engine.serve_bench import (CONSTRAINED_HEADER, PHASES_HEADER, SERVE_HEADER, Workload, bench_constrained,
+                                    bench_serve, standard_workloads)
 
     cpu = device == "cpu"
     c = concurrency or (8 if cpu else 256 if constrained else 1024)
@@ -308,14 +308,17 @@ def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constraine
     engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(4096, c)),
                        weights=weights)
     if constrained:
-        rows = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128, free_len=120 if cpu else 256)
-        return table(title + ": constrained decoding", CONSTRAINED_HEADER, rows)
+        rows, phases = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128,
+                                         free_len=120 if cpu else 256)
+        return (table(title + ": constrained decoding", CONSTRAINED_HEADER, rows) + "\n"
+                + table("Host time per step by phase (ms)", PHASES_HEADER, phases))
     if cpu:
         workloads = [Workload(f"{c} concurrent, T=1", c, 2 * c, 16, 32), Workload("1 stream, T=1", 1, 2, 16, 64),
                      Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
     else:
         workloads = standard_workloads(c)
-    return table(title, SERVE_HEADER, bench_serve(engine, workloads))
+    rows, phases = bench_serve(engine, workloads)
+    return table(title, SERVE_HEADER, rows) + "\n" + table("Host time per step by phase (ms)", PHASES_HEADER, phases)
 
 
 def main(argv: list[str] | None = None) -> int:

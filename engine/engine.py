@@ -27,6 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import to_device
+from engine.phases import PhaseClock
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import SampleOutput
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -62,6 +63,7 @@ class LLMEngine:
         self._launched: LaunchedStep | None = None  # on the device; finished by the next step()
         self._grammars = None  # engine.grammar.Grammars, made for the first constrained request
         self._mask_rows: list[torch.Tensor] = []  # two host buffers of bitmask rows, used in turn
+        self.clock = PhaseClock()  # host seconds per phase of step()
 
     # -- public API ---------------------------------------------------------------
 
@@ -176,6 +178,7 @@ class LLMEngine:
 
     def step(self) -> list[SequenceOutput]:
         """Launch the next step; finish the previous one (overlapped) or this one (serial); their outputs."""
+        self.clock.start()
         previous = self._launched
         self._launched = self._launch(previous)
         outputs = self._finish_step(previous) if previous is not None else []
@@ -187,20 +190,29 @@ class LLMEngine:
     def _launch(self, previous: LaunchedStep | None) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            self.clock.lap("schedule")
             return None
         self.runner.admit(batch.admitted)
+        self.clock.lap("schedule")
         launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
         self._complete_prefills(batch)
+        self.clock.lap("launch")
         return launched
 
     def _finish_step(self, step: LaunchedStep) -> list[SequenceOutput]:
-        return self._postprocess(step.seqs, self._collect(step))
+        sampled = self._collect(step)
+        outputs = self._postprocess(step.seqs, sampled)
+        self.clock.lap("postprocess")
+        return outputs
 
     def _collect(self, step: LaunchedStep) -> SampleOutput:
         """A step's sampled tokens, read once; they move the constrained sequences' matchers."""
         if step.output is None:
+            self.clock.lap("launch")  # what was queued before this wait
             step.output = self.runner.collect(step)
+            self.clock.lap("wait")
             self._advance_matchers(step.seqs, step.output.token_ids)
+            self.clock.lap("grammar")
         return step.output
 
     # -- constrained decoding ------------------------------------------------------------
@@ -219,6 +231,7 @@ class LLMEngine:
         self.grammars.fill([constrained[i].matcher for i in live], rows, live)
         slots = to_device([s.slot for s in constrained], torch.long, self.runner.sampler.device)
         self.runner.sampler.write_masks(slots, rows)
+        self.clock.lap("grammar")
 
     def _next_mask_rows(self) -> torch.Tensor:
         """A host buffer for this step's bitmask rows; two in turn, so a copy still in flight (the previous
@@ -232,10 +245,13 @@ class LLMEngine:
         return self._mask_rows[0]
 
     def _advance_matchers(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        for seq, token in zip(seqs, tokens):
-            if seq.matcher is None or seq.is_finished or seq.grammar_rejected:
-                continue
-            if not seq.matcher.accept_token(token):
+        moving = [(seq, token) for seq, token in zip(seqs, tokens)
+                  if seq.matcher is not None and not seq.is_finished and not seq.grammar_rejected]
+        if not moving:
+            return
+        accepted = self.grammars.accept([seq.matcher for seq, _ in moving], [token for _, token in moving])
+        for (seq, token), ok in zip(moving, accepted):
+            if not ok:
                 seq.grammar_rejected = True
                 log.error("grammar refused a sampled token", extra={"request_id": seq.request_id,
                                                                     "index": seq.index, "token": token})

@@ -42,6 +42,9 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+MIN_SPLIT = 32  # matchers per thread below which a thread hand-off costs more than it saves
+
+
 class Grammars:
     """Compiles specs (in a thread pool, cached) and makes matchers; one per engine."""
 
@@ -58,7 +61,11 @@ class Grammars:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._batch = xgr.BatchGrammarMatcher(max_threads=min(threads, os.cpu_count() or 1))
+        # the matcher work of a step is split over our own threads (xgrammar releases the GIL): its batch
+        # matcher with max_threads > 1 starts threads per call (~0.15 ms, as much as filling 30 rows)
+        self._threads = max(1, min(threads, os.cpu_count() or 1))
+        self._step_pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="matchers")
+        self._local = threading.local()  # a batch matcher per thread
 
     def submit(self, spec: dict) -> Future:
         """The compiled grammar of ``spec``, compiled once (a failure: ValueError from ``result()``)."""
@@ -115,10 +122,38 @@ class Grammars:
         return self._xgr.GrammarMatcher(compiled)
 
     def fill(self, matchers: list, out: torch.Tensor, rows: list[int]) -> None:
-        """Each matcher's allowed next tokens into its row of ``out`` (int32 [*, words], CPU), on the batch
-        matcher's threads. A matcher that accepted its stop token has no next token: not here."""
-        if matchers:
-            self._batch.batch_fill_next_token_bitmask(matchers, out, rows)
+        """Each matcher's allowed next tokens into its row of ``out`` (int32 [*, words], CPU). A matcher that
+        accepted its stop token has no next token: not here."""
+        self._run_split(len(matchers), lambda a, b: self._batch_matcher().batch_fill_next_token_bitmask(
+            matchers[a:b], out, rows[a:b]))
+
+    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its token; False where the grammar refused it."""
+        accepted: list[bool] = [True] * len(matchers)
+
+        def part(a: int, b: int) -> None:
+            accepted[a:b] = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers[a:b], tokens[a:b])
+        self._run_split(len(matchers), part)
+        return accepted
+
+    def _batch_matcher(self):
+        batch = getattr(self._local, "batch", None)
+        if batch is None:
+            batch = self._local.batch = self._xgr.BatchGrammarMatcher(max_threads=1)
+        return batch
+
+    def _run_split(self, n: int, work) -> None:
+        """``work(a, b)`` over [0, n) in up to ``threads`` parts of at least MIN_SPLIT, the first on this thread."""
+        parts = max(1, min(self._threads, n // MIN_SPLIT))
+        if parts == 1:
+            if n:
+                work(0, n)
+            return
+        bounds = [n * i // parts for i in range(parts + 1)]
+        futures = [self._step_pool.submit(work, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        work(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
 
 
 def _first_line(e: Exception) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.params import SamplingParams
+from engine.phases import PHASES
 from engine.sequence import Request
 
 
@@ -67,6 +68,7 @@ def run_workload(engine, w: Workload) -> dict:
         sent[rid] = time.perf_counter()
         submitted += 1
 
+    engine.clock.reset()
     start = time.perf_counter()
     for _ in range(w.num_requests if w.burst else min(w.concurrency, w.num_requests)):
         submit()
@@ -87,7 +89,17 @@ def run_workload(engine, w: Workload) -> dict:
     wall = time.perf_counter() - start
     engine.runner.step_events = None
     return {"wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": w.num_requests * w.prompt_len,
-            "busy": _busy_s(events) / wall, "ttft": ttft, "itl": itl, "lengths": lengths}
+            "busy": _busy_s(events) / wall, "ttft": ttft, "itl": itl, "lengths": lengths,
+            "host_ms": engine.clock.per_step_ms(), "steps": engine.clock.steps}
+
+
+PHASES_HEADER = ["workload", "steps", "step ms (wall)"] + [f"{p} ms" for p in PHASES]
+
+
+def phase_row(name: str, res: dict) -> list:
+    """Host milliseconds per step by phase (engine.phases): where a host-bound step's time goes."""
+    return ([name, res["steps"], f"{res['wall_s'] / max(1, res['steps']) * 1e3:.2f}"]
+            + [f"{res['host_ms'][p]:.2f}" for p in PHASES])
 
 
 def _busy_s(events: list[tuple]) -> float:
@@ -123,11 +135,12 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] * 1e3
 
 
-def bench_serve(engine, workloads: list[Workload]) -> list[list]:
+def bench_serve(engine, workloads: list[Workload]) -> tuple[list[list], list[list]]:
+    """A row of the serving table and one of host time per phase, per workload."""
     engine.warm_up()
     gc.collect()
     gc.freeze()  # as the worker does: a full collection over the loaded engine stalls a step by ~0.2 s
-    rows = []
+    rows, phases = [], []
     for w in workloads:
         run_workload(engine, replace(w, num_requests=min(w.num_requests, max(4, w.concurrency // 4)),
                                      name=w.name + " warm-up"))
@@ -142,7 +155,8 @@ def bench_serve(engine, workloads: list[Workload]) -> list[list]:
         row += [f"{pct(res['itl'], 0.5):.1f}", f"{pct(res['itl'], 0.99):.1f}", f"{pct(res['ttft'], 0.5):.0f}",
                 f"{pct(res['ttft'], 0.99):.0f}", f"{res['prompt_tokens'] / res['wall_s']:,.0f}"]
         rows.append(row)
-    return rows
+        phases.append(phase_row(w.name, res))
+    return rows, phases
 
 
 SERVE_HEADER = ["workload", "output tok/s", "model bound tok/s", "of bound", "GPU busy", "ITL p50 ms",
@@ -163,7 +177,7 @@ CONSTRAINED_HEADER = ["workload", "output tok/s", "ITL p50 ms", "ITL p99 ms", "T
 
 
 def bench_constrained(engine, concurrency: int, num_requests: int, prompt_len: int = 128,
-                      free_len: int = 256) -> list[list]:
+                      free_len: int = 256) -> tuple[list[list], list[list]]:
     """Half the requests constrained by TEN_FIELDS (ending when their JSON does), half free; then the same
     workload all free, each request generating as many tokens as it did constrained: the grammar's cost alone."""
     spec = {"type": "json_schema", "value": TEN_FIELDS}
@@ -183,10 +197,11 @@ def bench_constrained(engine, concurrency: int, num_requests: int, prompt_len: i
     free = replace(mixed, name=f"{concurrency} streams, all free (the same lengths)", make_params=lambda i:
                    SamplingParams(max_tokens=max(1, lengths.get(i, free_len)), ignore_eos=True, seed=i))
     baseline = run_workload(engine, free)
-    rows = []
+    rows, phases = [], []
     for w, res in ((free, baseline), (mixed, constrained)):
+        phases.append(phase_row(w.name, res))
         rate = res["output_tokens"] / res["wall_s"]
         rows.append([w.name, f"{rate:,.0f}", f"{pct(res['itl'], 0.5):.1f}", f"{pct(res['itl'], 0.99):.1f}",
                      f"{pct(res['ttft'], 0.5):.0f}", f"{res['output_tokens'] / max(1, len(res['lengths'])):.0f}",
                      f"{rate / (baseline['output_tokens'] / baseline['wall_s']):.2f}"])
-    return rows
+    return rows, phases

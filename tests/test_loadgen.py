@@ -269,3 +269,74 @@ def test_engine_only_runs_the_same_workload(served, tiny_model_path, tmp_path):
     ratios = result["compare"]["served_over_engine_only"]
     assert ratios["output_throughput"] == pytest.approx(
         served_result["metrics"]["output_throughput"] / metrics["output_throughput"])
+
+
+# -- the Batch API benchmark (python -m worker.loadgen.batch_bench) ------------------------------
+
+BATCH_BENCH_TITLE = "Batch API benchmark (issue 14)"
+
+
+@pytest.fixture(scope="module")
+def batch_api(api_url, redis_server):
+    """The module's service with a ``gaggle batch-worker`` on the same Redis and the same file store: the API runs in
+    the repository with no GAGGLE_* set, so its store is the default .gaggle/files there (the benchmark deletes
+    what it uploads and the outputs)."""
+    import tempfile
+
+    from tests.queue_helpers import kill_group
+    log = tempfile.NamedTemporaryFile(prefix="gaggle-bench-batch-worker-", suffix=".log", delete=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GAGGLE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "INFO", "batch-worker",
+                             "--redis-url", redis_server.url, "--files-dir", os.path.join(REPO, ".gaggle", "files")],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    proc.log_path = log.name
+    try:
+        yield api_url
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+
+
+def batch_bench(url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.loadgen.batch_bench", "--base-url", url, "--api-key", KEY,
+                           "--poll-s", "0.2", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_batch_bench_checks_every_line_while_a_trickle_streams(batch_api, tmp_path):
+    out = tmp_path / "batch.json"
+    proc = batch_bench(batch_api, "--num-lines", "12", "--input-len", "8", "--output-len", "6", "--trickle-rate", "4",
+                       "--trickle-output-len", "3", "--save-result", str(out), "--out", "-")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert f"## {BATCH_BENCH_TITLE}" in proc.stdout and "| Batch / engine-only (target ≤ 1.1) | – |" in proc.stdout
+    result = orjson.loads(out.read_bytes())
+    assert result["status"] == "completed" and result["config"]["model"] == "tiny-bench"
+    assert (result["lines"], result["succeeded"], result["failed"]) == (12, 12, 0)
+    assert (result["missing"], result["duplicated"], result["unexpected"]) == (0, 0, 0)
+    assert result["output_tokens"] == 12 * 6  # ignore_eos: every line runs to --output-len
+    assert result["batch_wall_s"] > 0 and result["output_throughput"] == pytest.approx(72 / result["batch_wall_s"])
+    assert result["server_s"] is not None and result["server_s"] <= result["batch_wall_s"] + 1  # whole seconds
+    assert result["engine_only_s"] is None and result["ratio"] is None
+    trickle = result["trickle"]
+    assert trickle["requests"] > 0 and trickle["failed"] == 0, trickle
+    assert isinstance(trickle["ttft_p50_ms"], float) and 0 < trickle["ttft_p50_ms"] <= trickle["ttft_p99_ms"]
+    assert "api_key" not in result["config"]
+
+
+def test_batch_bench_ratio_to_the_engine_only_run(batch_api, tmp_path):
+    engine = tmp_path / "engine.json"  # the shape `gaggle bench --engine-only --save-result` writes
+    engine.write_bytes(orjson.dumps({"mode": "engine-only", "metrics": {"duration_s": 2.0, "completed": 4},
+                                     "config": {"num_prompts": 9, "input_len": 8, "output_len": 6, "seed": 0,
+                                                "ignore_eos": True}}))
+    out, report = tmp_path / "batch.json", tmp_path / "BENCHMARKS.md"
+    proc = batch_bench(batch_api, "--num-lines", "4", "--input-len", "8", "--output-len", "6", "--trickle-rate", "0",
+                       "--engine-only-result", str(engine), "--save-result", str(out), "--out", str(report))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "ran another workload (num_prompts differ)" in proc.stderr
+    result = orjson.loads(out.read_bytes())
+    assert result["succeeded"] == 4 and result["engine_only_s"] == 2.0
+    assert result["ratio"] == pytest.approx(result["batch_wall_s"] / 2.0)
+    assert result["trickle"] == {"requests": 0, "failed": 0, "ttft_p50_ms": None, "ttft_p99_ms": None, "errors": []}
+    published = report.read_text()
+    assert f"## {BATCH_BENCH_TITLE}" in published and "python -m worker.loadgen.batch_bench --base-url" in published
+    assert "--api-key …" in published and KEY not in published  # the file is committed
+    assert f"| Batch / engine-only (target ≤ 1.1) | {result['ratio']:.3f} |" in published

@@ -99,3 +99,35 @@ def test_compiled_grammars_are_cached_and_prepare_says_when_to_wait(tiny_weights
     assert engine.prepare(request) is None  # compiled: add at once
     assert engine.grammars.submit(request.params.structured) is engine.grammars.submit(dict(request.params.structured))
     assert engine.prepare(Request("b", [1], SamplingParams())) is None
+
+
+def test_matchers_split_over_threads_fill_and_accept_as_one_thread_does():
+    """A step's matcher work split over threads (70 matchers: 2 parts) gives the masks and the acceptances
+    of one thread doing it all, including a refused token."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from engine.grammar import Grammars
+    from engine.serve_bench import TEN_FIELDS
+    from engine.tokenizer import WorldTokenizer
+    tok = WorldTokenizer.default()
+    spec = {"type": "json_schema", "value": TEN_FIELDS}
+    one, split = (Grammars(tok.id_to_token_bytes, 65536, [0], threads=t) for t in (1, 4))
+    n = 70
+    a = [one.matcher(one.compile(spec)) for _ in range(n)]
+    b = [split.matcher(split.compile(spec)) for _ in range(n)]
+    rows_a, rows_b = (torch.zeros((n, one.words), dtype=torch.int32) for _ in range(2))
+    rng = random.Random(0)
+    for step in range(8):
+        one.fill(a, rows_a, list(range(n)))
+        split.fill(b, rows_b, list(range(n)))
+        assert torch.equal(rows_a, rows_b)
+        tokens = []
+        for i in range(n):
+            allowed = np.flatnonzero(np.unpackbits(rows_a[i].numpy().view(np.uint8), bitorder="little")[:65536])
+            tokens.append(int(allowed[rng.randrange(len(allowed))]))
+        if step == 5:
+            tokens[40] = tok.encode("@")[0]  # never allowed inside this JSON: refused
+        assert one.accept(a, tokens) == split.accept(b, tokens) == [not (step == 5 and i == 40) for i in range(n)]
