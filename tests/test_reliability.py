@@ -325,6 +325,38 @@ def test_one_tenants_backlog_does_not_delay_another_tenants_request(redis_url, t
     worker.kill()
 
 
+def test_batch_lines_leave_the_interactive_reserve_free(redis_url, tiny_model_path):
+    """With every slot but the reserve busy with batch lines (and 200 more queued), a synchronous request
+    starts at once: before any of the running batch lines finishes (without the reserve it would wait for one).
+    The reserve is never taken by batch lines: at most 8 − 2 of them run at a time."""
+    r = redis.Redis.from_url(redis_url)
+    worker = start_worker(redis_url, str(tiny_model_path), "reserve-w", "--max-num-seqs", "8",
+                          "--interactive-reserve", "2")
+    lines = [f"line-{i}" for i in range(200)]
+    pipe = r.pipeline()
+    for rid in lines:
+        c.QueuedRequest(id=rid, prompt_token_ids=[1, 2, 3], params={"max_tokens": 400, "ignore_eos": True},
+                        priority="batch").enqueue(pipe)
+    pipe.execute()
+    assert wait_running(r, lines[:6], 120), log_of(worker)
+    time.sleep(0.5)
+
+    def times(rids: list[str], field: str) -> list[float | None]:
+        pipe = r.pipeline()
+        for rid in rids:
+            pipe.hget(c.request_key(rid), field)
+        return [None if v is None else float(v) for v in pipe.execute()]
+
+    running = [rid for rid, t in zip(lines, times(lines, "started")) if t is not None]
+    assert len(running) == 6, running  # 8 slots, 2 kept free
+    submit(r, "sync-0", [5, 6, 7], max_tokens=3)
+    wait_for(lambda: times(["sync-0"], "started")[0] is not None, 60, 0.01, "the sync request started")
+    sync_started = times(["sync-0"], "started")[0]
+    first_line_done = min([t for t in times(running, "finished") if t is not None] or [float("inf")])
+    assert sync_started < first_line_done, (sync_started, first_line_done)
+    worker.kill()
+
+
 # -- what is left in Redis -------------------------------------------------------------------------------
 
 FIXED_KEYS = {c.TENANTS, c.WORKER_REGISTRY, c.STREAM_DEAD}

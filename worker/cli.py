@@ -117,7 +117,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine.warm_up()  # before the first heartbeat: no request waits for a compilation
     device = config.resolved_device()
     cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
-                       max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout)
+                       max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
+                       interactive_reserve=args.interactive_reserve)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S (no model: tokens at a fixed "
                                                     "rate through the real scheduler and I/O, for load tests)")
     p.add_argument("--max-deliveries", type=int, default=3)
+    p.add_argument("--interactive-reserve", type=int, default=None,
+                   help="slots that batch lines leave free for synchronous requests (default: a 128th of the slots)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--check", action="store_true",

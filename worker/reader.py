@@ -121,6 +121,7 @@ class Reader:
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.aborts: queue.Queue[tuple[str, str]] = queue.Queue()
         self.capacity = 0  # entries the main loop can take now; written by the main loop only
+        self.interactive_reserve = 0  # free slots batch-priority entries leave to interactive ones
         self.reading = True  # False while draining
         self.last_read_empty = False  # the last completed read found every stream empty (burst mode)
         self.lapsed_owners: frozenset[str] = frozenset()  # API processes gone for OWNER_GRACE_S
@@ -244,20 +245,31 @@ class Reader:
         if want <= 0 or not self._streams.all:
             stop.wait(0.005 if want <= 0 else self.cfg.read_block_ms / 1000)
             return
-        got = 0
+        got, open_streams = 0, []
         for priority in c.PRIORITIES:  # interactive before batch; each tenant gets a share of what we can take
             streams = self._streams.rotated(priority)
-            if want - got <= 0 or not streams:
+            room = want - got - self._reserved_for(priority)
+            if room <= 0 or not streams:
                 continue
-            per_stream = max(1, (want - got) // len(streams))
+            open_streams += streams
+            per_stream = max(1, room // len(streams))
             reply = self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in streams}, count=per_stream)
             got += self._take(reply)
         self._streams.turn += 1
         if got == 0:
-            reply = self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in self._streams.all}, count=1,
+            if not open_streams:  # only the reserve is free and no interactive stream exists yet
+                stop.wait(0.005)
+                return
+            reply = self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in open_streams}, count=1,
                                           block=self.cfg.read_block_ms)
             got = self._take(reply)
         self.last_read_empty = got == 0
+
+    def _reserved_for(self, priority: str) -> int:
+        """Free slots that ``priority`` may not take: batch lines leave ``interactive_reserve`` slots to
+        synchronous requests (otherwise a batch fills every slot and a chat request waits for a whole wave
+        of batch lines to finish)."""
+        return self.interactive_reserve if priority != c.PRIORITIES[0] else 0
 
     def _take(self, reply) -> int:
         n = 0

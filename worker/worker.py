@@ -47,6 +47,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     result_ttl_s: int = c.RESULT_TTL_S
     deadline_check_interval_s: float = 0.5
+    interactive_reserve: int | None = None  # slots batch lines leave free for sync requests (None: slots // 128)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -65,6 +66,8 @@ class Worker:
         self.writer = self.io.writer
         self.writer.end_ops = self._end_ops
         self.reader = self.io.reader
+        reserve = cfg.interactive_reserve
+        self.reader.interactive_reserve = engine.num_slots // 128 if reserve is None else reserve
         self.inflight: dict[str, InFlight] = {}
         # constrained requests whose grammar is compiling (a thread pool): started once it is done
         self.compiling: dict[str, tuple[Future, InFlight, Request]] = {}
