@@ -79,7 +79,14 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, lead: Sequence) -> None:
-        self.waiting.append(lead)
+        """Queue a request's lead sequence behind the waiting ones of its priority or a higher one (a chat
+        request passes the batch lines still waiting for their prefill)."""
+        priority = lead.request.priority
+        if not self.waiting or self.waiting[-1].request.priority <= priority:
+            self.waiting.append(lead)
+            return
+        at = next(i for i, s in enumerate(self.waiting) if s.request.priority > priority)
+        self.waiting.insert(at, lead)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)

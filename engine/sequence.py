@@ -17,6 +17,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     n: int = 1
     arrival_time: float = field(default_factory=time.time)
+    priority: int = 0  # lower first among the waiting (the worker: 0 interactive, 1 batch lines)
 
 
 class Status(Enum):

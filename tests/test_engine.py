@@ -236,3 +236,17 @@ def test_long_prompts_beside_decodes_are_chunked_to_the_bound(tiny_weights):
     while engine.has_request("long"):
         engine.step()
     assert max(chunks) == 16 and sum(chunks) == 300  # 1 decoding sequence: the minimum chunk per step
+
+
+def test_a_higher_priority_request_passes_the_waiting_ones_of_lower_priority(tiny_weights):
+    """Batch lines (priority 1) waiting for their prefill do not delay a chat request (priority 0): it is
+    admitted in the first step that has room, ahead of them; equal priorities keep their arrival order."""
+    engine = make_engine(tiny_weights, max_num_seqs=8, max_num_batched_tokens=16)
+    for i in range(6):
+        engine.add(Request(f"line-{i}", tokens(16, seed=i), SamplingParams(max_tokens=4), priority=1))
+    engine.add(Request("chat-0", tokens(16, seed=9), SamplingParams(max_tokens=4)))
+    engine.add(Request("chat-1", tokens(16, seed=10), SamplingParams(max_tokens=4)))
+    order = [s.request_id for s in engine.scheduler.waiting]
+    assert order == ["chat-0", "chat-1"] + [f"line-{i}" for i in range(6)]
+    batch = engine.scheduler.schedule()  # 16 tokens: one whole prompt this step
+    assert [c.seq.request_id for c in batch.prefills] == ["chat-0"]

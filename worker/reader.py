@@ -260,8 +260,10 @@ class Reader:
             if not open_streams:  # only the reserve is free and no interactive stream exists yet
                 stop.wait(0.005)
                 return
+            # held back by the reserve, batch lines are still there: wait briefly, the next freed slot takes one
+            block = self.cfg.read_block_ms if len(open_streams) == len(self._streams.all) else 5
             reply = self.redis.xreadgroup(c.GROUP, self.name, {s: ">" for s in open_streams}, count=1,
-                                          block=self.cfg.read_block_ms)
+                                          block=block)
             got = self._take(reply)
         self.last_read_empty = got == 0
 

@@ -243,7 +243,8 @@ class Worker:
         params = req.sampling
         if params.seed is None:  # fixed by the id: a re-run anywhere reproduces what was published
             params.seed = c.stable_seed(req.id)
-        request = Request(req.id, list(req.prompt_token_ids), params, n=req.n)
+        request = Request(req.id, list(req.prompt_token_ids), params, n=req.n,
+                          priority=c.PRIORITIES.index(req.priority))
         future = self.engine.prepare(request)
         if future is not None:  # its grammar compiles off the loop; _start_compiled adds it
             self.compiling[req.id] = (future, flight, request)
