@@ -335,7 +335,8 @@ def test_batch_bench_ratio_to_the_engine_only_run(batch_api, tmp_path):
     result = orjson.loads(out.read_bytes())
     assert result["succeeded"] == 4 and result["engine_only_s"] == 2.0
     assert result["ratio"] == pytest.approx(result["batch_wall_s"] / 2.0)
-    assert result["trickle"] == {"requests": 0, "failed": 0, "ttft_p50_ms": None, "ttft_p99_ms": None, "errors": []}
+    assert result["trickle"] == {"requests": 0, "failed": 0, "ttft_p50_ms": None, "ttft_p99_ms": None, "errors": [],
+                                 "timeline": []}
     published = report.read_text()
     assert f"## {BATCH_BENCH_TITLE}" in published and "python -m worker.loadgen.batch_bench --base-url" in published
     assert "--api-key …" in published and KEY not in published  # the file is committed

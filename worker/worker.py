@@ -67,7 +67,9 @@ class Worker:
         self.writer.end_ops = self._end_ops
         self.reader = self.io.reader
         reserve = cfg.interactive_reserve
-        self.reader.interactive_reserve = engine.num_slots // 128 if reserve is None else reserve
+        if reserve is None:
+            reserve = engine.num_slots // 128 if engine is not None else 0  # None: tests of the I/O alone
+        self.reader.interactive_reserve = reserve
         self.inflight: dict[str, InFlight] = {}
         # constrained requests whose grammar is compiling (a thread pool): started once it is done
         self.compiling: dict[str, tuple[Future, InFlight, Request]] = {}

@@ -87,6 +87,8 @@ class Trickle:
         self.prompts = [r.prompt for r in random_requests(1024, TRICKLE_PROMPT_LEN, 1, 0.0, args.seed + 1, False)]
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="trickle")
         self.futures: list[Future] = []
+        self.timeline: list[tuple[float, float | None]] = []  # (seconds after the first send, TTFT ms)
+        self.started = time.monotonic()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._schedule, name="trickle-clock", daemon=True)
 
@@ -96,12 +98,14 @@ class Trickle:
 
     def _schedule(self) -> None:
         start, i = time.monotonic(), 0
+        self.started = start
         while not self.stopped.wait(max(0.0, start + i / self.args.trickle_rate - time.monotonic())):
             self.futures.append(self.pool.submit(self._one, self.prompts[i % len(self.prompts)]))
             i += 1
 
     def _one(self, prompt: list[int]) -> tuple[float | None, str | None]:
         sent = time.perf_counter()
+        offset = round(time.monotonic() - self.started, 2)
         ttft = None
         try:
             stream = self.client.completions.create(model=self.model, prompt=prompt, stream=True,
@@ -113,6 +117,7 @@ class Trickle:
                     ttft = time.perf_counter() - sent
         except Exception as e:  # noqa: BLE001 — any failure is a data point, not a crash
             return None, f"{type(e).__name__}: {e}"[:300]
+        self.timeline.append((offset, None if ttft is None else round(ttft * 1e3, 1)))
         return (ttft, None) if ttft is not None else (None, "no chunk with text")
 
     def stop(self) -> dict:
@@ -125,7 +130,7 @@ class Trickle:
         errors = [err for _, err in results if err is not None]
         pct = (lambda q: float(np.percentile(ttfts, q))) if ttfts else (lambda q: None)
         return {"requests": len(results), "failed": len(errors), "ttft_p50_ms": pct(50), "ttft_p99_ms": pct(99),
-                "errors": errors[:5]}
+                "errors": errors[:5], "timeline": sorted(self.timeline, key=lambda x: x[0])}
 
 
 def progress(batch, elapsed: float) -> str:
