@@ -120,7 +120,14 @@ class Reader:
         self.flights = flights  # the running requests (InFlight), as a list copy
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.aborts: queue.Queue[tuple[str, str]] = queue.Queue()
-        self.capacity = 0  # entries the main loop can take now; written by the main loop only
+        # what the main loop can take: (free capacity, entries it had taken when it counted it), one tuple
+        # so the reader reads a consistent pair; entries delivered since then are on their way (inbox or
+        # being added), counted against that capacity. (free capacity − inbox size raced: an entry taken
+        # from the inbox but not yet counted in the capacity was read twice over, and batch lines took the
+        # interactive reserve.)
+        self.budget = (0, 0)
+        self._delivered = 0  # entries put in the inbox (reader thread)
+        self._taken = 0  # entries taken from it (main loop)
         self.interactive_reserve = 0  # free slots batch-priority entries leave to interactive ones
         self.reading = True  # False while draining
         self.last_read_empty = False  # the last completed read found every stream empty (burst mode)
@@ -238,7 +245,23 @@ class Reader:
         self._streams = streams
 
     def _want(self) -> int:
-        return self.capacity - self.inbox.qsize() if self.reading else 0
+        free, taken = self.budget
+        return free - (self._delivered - taken) if self.reading else 0
+
+    # -- the main loop's side ---------------------------------------------------------------------
+
+    def take(self, timeout: float | None = None) -> Incoming | None:
+        """The next delivered entry (waiting up to ``timeout``; None: none now). Main loop only."""
+        try:
+            item = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        self._taken += 1
+        return item
+
+    def set_capacity(self, free: int) -> None:
+        """Entries the engine can take, counted after everything taken so far was added. Main loop only."""
+        self.budget = (max(0, free), self._taken)
 
     def _read_new(self, stop: threading.Event) -> None:
         want = self._want()
@@ -296,6 +319,7 @@ class Reader:
                 self._owned[eid] = stream
         for (eid, fields, deliveries), rid in zip(entries, rids):
             has_result, cancelled = bool(next(replies)), bool(next(replies))
+            self._delivered += 1
             self.inbox.put(Incoming(stream, eid, fields or None, deliveries, has_result and rid is not None,
                                     cancelled and rid is not None))
 

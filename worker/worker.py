@@ -164,18 +164,16 @@ class Worker:
                 and self.writer.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
 
     def _wait_for_input(self) -> None:
-        try:
-            item = self.reader.inbox.get(timeout=0.02)
-        except Exception:
-            return
-        self._accept(item)
+        item = self.reader.take(timeout=0.02)
+        if item is not None:
+            self._accept(item)
 
     def _update_capacity(self) -> None:
         if self._quarantine:
-            self.reader.capacity = 0
+            self.reader.set_capacity(0)
             return
         waiting = self.engine.num_unfinished - self.engine.num_running + len(self.compiling)
-        self.reader.capacity = max(0, self.engine.num_free_slots - waiting)
+        self.reader.set_capacity(self.engine.num_free_slots - waiting)
 
     # -- input ---------------------------------------------------------------------
 
@@ -185,8 +183,8 @@ class Worker:
         if self._quarantine:
             self._admit_from_quarantine()
             return
-        while not self.reader.inbox.empty():
-            self._accept(self.reader.inbox.get_nowait())
+        while (item := self.reader.take()) is not None:
+            self._accept(item)
 
     def _accept(self, item: Incoming) -> None:
         """Start an entry's request, or end it at once; whatever goes wrong, that entry fails, the worker serves on."""
