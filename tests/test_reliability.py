@@ -357,6 +357,34 @@ def test_batch_lines_leave_the_interactive_reserve_free(redis_url, tiny_model_pa
     worker.kill()
 
 
+def test_batch_lines_never_take_the_reserve_under_churn(redis_url, tiny_model_path):
+    """Short batch lines finishing every step: at no moment do more than slots − reserve of them hold the worker
+    (their records' accepted..finished intervals never overlap more), however the reader's reads and the main
+    loop's intake interleave."""
+    r = redis.Redis.from_url(redis_url)
+    worker = start_worker(redis_url, str(tiny_model_path), "churn-w", "--max-num-seqs", "8",
+                          "--interactive-reserve", "3")
+    lines = [f"churn-{i}" for i in range(300)]
+    pipe = r.pipeline()
+    for i, rid in enumerate(lines):
+        c.QueuedRequest(id=rid, prompt_token_ids=[1, 2, 3 + i % 7], params={"max_tokens": 1 + i % 3},
+                        priority="batch").enqueue(pipe)
+    pipe.execute()
+    wait_results(r, lines, timeout_s=240)
+    pipe = r.pipeline()
+    for rid in lines:
+        pipe.hmget(c.request_key(rid), "started", "finished")
+    events = []
+    for started, finished in pipe.execute():
+        events += [(float(started), 1), (float(finished), -1)]
+    held, most = 0, 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # a finish before a start at the same instant
+        held += step
+        most = max(most, held)
+    assert most <= 8 - 3, most
+    worker.kill()
+
+
 # -- what is left in Redis -------------------------------------------------------------------------------
 
 FIXED_KEYS = {c.TENANTS, c.WORKER_REGISTRY, c.STREAM_DEAD}
