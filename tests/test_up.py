@@ -172,6 +172,8 @@ def test_a_batch_completes_through_gaggle_up(tmp_path):
         assert batch.status == "completed" and batch.request_counts.completed == 20, batch
         out = client.files.content(batch.output_file_id).text.splitlines()
         assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(f"c{i}" for i in range(20))
+        served = client.models.list().data[0].id  # the batch worker answers as the API does, not as its default
+        assert {json.loads(line)["response"]["body"]["model"] for line in out} == {served}
         assert (tmp_path / "data" / "files" / batch.output_file_id).exists()  # under gaggle up's data dir
     finally:
         os.killpg(up.pid, signal.SIGINT)

@@ -104,11 +104,14 @@ class Supervisor:
                                *self.args.worker_args)
             self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log"))
         files = str(self.data_dir / "files")  # the Batch API's file store, shared by the API and the batch worker
+        model_name = self.args.model_name or Path(self.model).stem
         batch = self._python("batch-worker", "--redis-url", self.redis_url, "--files-dir", files)
-        self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log"))
+        # its jobs read the API's settings from GAGGLE_* (RQ forks them): the served name for the answers' model
+        self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log",
+                                   env={"GAGGLE_MODEL_NAME": model_name}))
         api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
                            str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
-                           "--model-name", self.args.model_name or Path(self.model).stem, "--files-dir", files,
+                           "--model-name", model_name, "--files-dir", files,
                            "--shutdown-timeout", str(self.args.drain_timeout), *self.args.api_args)
         self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log"))
 
