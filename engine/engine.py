@@ -269,24 +269,27 @@ class LLMEngine:
                                                 "prompt_tokens": chunk.seq.num_prompt_tokens})
 
     def _postprocess(self, seqs: list[Sequence], sampled: SampleOutput | None) -> list[SequenceOutput]:
+        """Each sequence's token of the step: detokenized, stops checked, as an output. Per token on the host's
+        critical path, so written lean (positional fields, locals)."""
         if sampled is None:
             return []
-        outputs = []
+        outputs: list[SequenceOutput] = []
+        emit = outputs.append
+        tokens = sampled.token_ids
         for row, seq in enumerate(seqs):
             if seq.is_finished:  # stopped (or aborted) while this step ran: its token is dropped
                 continue
-            token = sampled.token_ids[row]
-            seq.output_token_ids.append(token)
+            token = tokens[row]
+            out_ids = seq.output_token_ids
+            out_ids.append(token)
             text = self._append_text(seq, token)
-            outputs.append(SequenceOutput(
-                request_id=seq.request_id, index=seq.index, token_ids=[token], text=text,
-                logprobs=self._logprob_entry(sampled, row, token) if seq.params.logprobs is not None else None,
-                finished=seq.is_finished,
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=len(seq.output_token_ids),
-                prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None
-                and len(seq.output_token_ids) == 1 else None))
+            params, reason = seq.params, seq.finish_reason
+            emit(SequenceOutput(
+                seq.request_id, seq.index, [token], text,
+                self._logprob_entry(sampled, row, token) if params.logprobs is not None else None,
+                seq.is_finished, reason.value if reason else None, seq.stop_reason, len(seq.prompt_token_ids),
+                len(out_ids),
+                seq.prompt_logprobs if params.prompt_logprobs is not None and len(out_ids) == 1 else None))
         return outputs
 
     def _append_text(self, seq: Sequence, token: int) -> str:

