@@ -288,6 +288,35 @@ def bench_cuda(shapes: list[str], max_batch: int, decode_only: bool = False) -> 
     return out
 
 
+def bench_host(batches: tuple[int, ...] = (64, 256, 1024), steps: int = 60) -> str:
+    """The engine loop's own host time per generated token (schedule, launch bookkeeping, post-processing:
+    detokenize, stops, outputs) over a synthetic runner that takes no time: what the host adds to every token
+    whatever the device. Best of 5 runs of ``steps`` steps."""
+    import gc
+
+    from engine.config import EngineConfig
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    from engine.synthetic import synthetic_engine
+    rows = []
+    for b in batches:
+        engine = synthetic_engine(EngineConfig(device="cpu", max_num_seqs=b, max_num_batched_tokens=8192), 1e12, 1e12)
+        for i in range(b):
+            engine.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1 << 19, ignore_eos=True, seed=i)))
+        for _ in range(10):
+            engine.step()
+        gc.collect()
+        best = float("inf")
+        for _ in range(5):
+            t, n = time.perf_counter(), 0
+            for _ in range(steps):
+                n += len(engine.step())
+            best = min(best, (time.perf_counter() - t) / n * 1e6)
+        rows.append([b, f"{best:.2f}", f"{1e6 / best:,.0f}"])
+    return table("Engine loop host time (synthetic runner, no device time)", ["sequences", "µs per token",
+                                                                                "tok/s one core allows"], rows)
+
+
 def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False) -> str:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
@@ -329,12 +358,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode table (minutes less: no prefill, mixed step, bf16 state, drift)")
     ap.add_argument("--sampler-only", action="store_true", help="only the CUDA sampler table (a minute)")
+    ap.add_argument("--host", action="store_true", help="only the engine loop's host time per token (no device)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
     ap.add_argument("--constrained", action="store_true",
                     help="--serve: half the requests JSON-schema constrained vs all free (256 streams on a GPU)")
     args = ap.parse_args(argv)
+    if args.host:
+        publish(f"Engine host time — {platform.processor() or platform.machine()}", "engine.bench", argv,
+                bench_host(), args.out)
+        return 0
     if args.serve:
         body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained)
         where = (f"GPU: {torch.cuda.get_device_name()}" if args.device != "cpu" else "CPU") + f", torch {torch.__version__}"
