@@ -88,7 +88,6 @@ class Trickle:
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="trickle")
         self.futures: list[Future] = []
         self.timeline: list[tuple[float, float | None]] = []  # (seconds after the first send, TTFT ms)
-        self.started = time.monotonic()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._schedule, name="trickle-clock", daemon=True)
 
@@ -98,14 +97,14 @@ class Trickle:
 
     def _schedule(self) -> None:
         start, i = time.monotonic(), 0
-        self.started = start
         while not self.stopped.wait(max(0.0, start + i / self.args.trickle_rate - time.monotonic())):
-            self.futures.append(self.pool.submit(self._one, self.prompts[i % len(self.prompts)]))
+            self.futures.append(self.pool.submit(self._one, self.prompts[i % len(self.prompts)],
+                                                 round(i / self.args.trickle_rate, 2)))
             i += 1
 
-    def _one(self, prompt: list[int]) -> tuple[float | None, str | None]:
+    def _one(self, prompt: list[int], offset: float) -> tuple[float | None, str | None]:
+        """One request, sent ``offset`` seconds after the first (its place in the timeline)."""
         sent = time.perf_counter()
-        offset = round(time.monotonic() - self.started, 2)
         ttft = None
         try:
             stream = self.client.completions.create(model=self.model, prompt=prompt, stream=True,
