@@ -317,7 +317,8 @@ def bench_host(batches: tuple[int, ...] = (64, 256, 1024), steps: int = 60) -> s
                                                                                 "tok/s one core allows"], rows)
 
 
-def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False) -> str:
+def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False,
+                    prefill_graphs: bool = True) -> str:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.serve_bench import (CONSTRAINED_HEADER, PHASES_HEADER, SERVE_HEADER, Workload, bench_constrained,
@@ -334,8 +335,10 @@ def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constraine
         weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
                                                             seed=0, dtype=torch.bfloat16, device="cuda"))
         title = f"Serving loop in-process ({shape}, bf16 weights, fp32 state), {c} slots"
-    engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(4096, c)),
-                       weights=weights)
+    engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(8192, c),
+                                    prefill_graphs=prefill_graphs), weights=weights)
+    if not prefill_graphs:
+        title += ", eager prefill"
     if constrained:
         rows, phases = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128,
                                          free_len=120 if cpu else 256)
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
+    ap.add_argument("--eager-prefill", action="store_true", help="--serve: no prefill graphs (the A/B of them)")
     ap.add_argument("--constrained", action="store_true",
                     help="--serve: half the requests JSON-schema constrained vs all free (256 streams on a GPU)")
     args = ap.parse_args(argv)
@@ -370,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_host(), args.out)
         return 0
     if args.serve:
-        body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained)
+        body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained,
+                               not args.eager_prefill)
         where = (f"GPU: {torch.cuda.get_device_name()}" if args.device != "cpu" else "CPU") + f", torch {torch.__version__}"
         publish(f"Engine serving loop — {where}", "engine.bench", argv, body, args.out)
         return 0

@@ -21,6 +21,7 @@ class EngineConfig:
     min_prefill_chunk: int = 2048  # ... but at least this many (engine.scheduler)
     max_model_len: int = 1 << 20  # prompt + output tokens per sequence
     enforce_eager: bool = False  # no CUDA graphs
+    prefill_graphs: bool = True  # packed prefills replay graphs captured per (tokens, sequences) bucket
     gpu_memory_utilization: float = 0.90
     seed: int = 0  # seeds requests that bring none
     async_scheduling: bool = True  # launch step t+1 before finishing step t on the host (engine.engine)

@@ -79,7 +79,9 @@ class ModelRunner:
         if self.backend == "reference":
             return ReferenceRwkv7(weights, self.pool)
         from engine.cuda.model import CudaRwkv7
-        return CudaRwkv7(weights, self.pool, enforce_eager=self.config.enforce_eager)
+        return CudaRwkv7(weights, self.pool, enforce_eager=self.config.enforce_eager,
+                         max_prefill_tokens=self.config.max_num_batched_tokens,
+                         prefill_graphs=self.config.prefill_graphs)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Fresh state and sampler settings for sequences that just got a slot."""
@@ -90,8 +92,9 @@ class ModelRunner:
             self.sampler.reset_slot(s.slot, s.params, s.seed, s.prompt_token_ids, self.eos_token_ids)
 
     def warm_up(self, max_prefill_tokens: int) -> None:
-        """Everything a step can compile, autotune or capture, done now: each decode graph bucket, prefill
-        packings (Triton specialises on sizes divisible by 16, and on 1), the sampler's kernels. Uses free
+        """Everything a step can compile, autotune or capture, done now: each decode graph bucket, each prefill
+        graph bucket, eager prefill packings (prompt scoring and prefills no bucket holds; Triton specialises on
+        sizes divisible by 16, and on 1), the sampler's kernels. Uses free
         slots and leaves them zeroed; a no-op on the reference path (nothing to compile)."""
         if self.backend == "reference":
             return
@@ -102,10 +105,14 @@ class ModelRunner:
                 if bs not in graphs.graphs:
                     graphs.capture(bs)
         timings["graphs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+        prefill_graphs = getattr(self.model, "prefill_graphs", None)
+        if prefill_graphs is not None:
+            prefill_graphs.capture_all()
+        timings["prefill_graphs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
         slots = list(range(min(8, self.num_slots)))
         for chunks in ([[1]], [[1] * 15], [[1] * 16], [[1] * 7, [2] * 9, [3] * 33],
                        [[1] * max(1, max_prefill_tokens // len(slots))] * len(slots)):
-            self.model.prefill(chunks, slots[:len(chunks)])
+            self.model.prefill_with_scores(chunks, slots[:len(chunks)], {}, eager=True)
         self.pool.reset(to_device(slots, torch.long, self.device))
         torch.cuda.synchronize(self.device)
         timings["prefill_s"], t0 = time.perf_counter() - t0, time.perf_counter()

@@ -107,6 +107,28 @@ def test_graph_decode_equals_eager_bit_for_bit(small_weights):
     assert torch.equal(graph.pool.wkv[:, :11], eager.pool.wkv[:, :11])  # the scratch slot took the padding rows
 
 
+@pytest.mark.parametrize("lengths", [[1], [7, 64, 1000], [64] * 4, [3] * 13, [250, 6], [128] * 15],
+                         ids=["one", "mixed", "fills-chunks", "many-short", "fills-bucket", "fifteen"])
+def test_graph_prefill_equals_eager(small_weights, lengths):
+    """A prefill padded into a captured bucket gives the eager prefill's logits and states; padding touches
+    no slot but the scratch one."""
+    graph, eager = build(small_weights, torch.bfloat16, 16), build(small_weights, torch.bfloat16, 16, eager=True)
+    gen = torch.Generator().manual_seed(len(lengths))
+    prompts = [torch.randint(1, 4096, (n,), generator=gen).tolist() for n in lengths]
+    slots = [15 - j for j in range(len(lengths))]  # not 0..n-1: slots and sequence indices differ
+    for m in (graph, eager):  # a previous state in the slots: the prefill continues it
+        m.prefill([[5, 6, 7]] * len(slots), slots)
+    got, want = graph.prefill(prompts, slots), eager.prefill(prompts, slots)
+    assert len(graph.prefill_graphs.graphs) == 1 and eager.prefill_graphs is None
+    for j in range(len(lengths)):
+        assert rel_err(got[j], want[j]) < 1e-2, j
+    for a, b in zip((graph.pool.wkv, graph.pool.att_shift, graph.pool.ffn_shift),
+                    (eager.pool.wkv, eager.pool.att_shift, eager.pool.ffn_shift)):
+        assert rel_err(a[:, slots], b[:, slots]) < 1e-2
+        untouched = [s for s in range(16) if s not in slots]
+        assert torch.equal(a[:, untouched], b[:, untouched])  # zero in both: only the scratch slot took padding
+
+
 def test_overlapped_launches_equal_serial_launches(small_weights, monkeypatch):
     """Programmatic dependent launch lets the large-batch LayerNorm+shift and wkv kernels start before the GEMM
     before them ends: logits and state must equal those of plain serial launches bit for bit (a read before
@@ -313,7 +335,8 @@ from engine.sequence import Request
 cache = os.environ["TRITON_CACHE_DIR"]
 engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", max_num_seqs=40, max_num_batched_tokens=512))
 engine.warm_up()
-graphs = set(engine.runner.model.graphs.graphs)
+model = engine.runner.model
+graphs = len(model.graphs.graphs) + len(model.prefill_graphs.graphs)
 def entries():
     return sum(len(files) for _, _, files in os.walk(cache))
 before = entries()
@@ -324,7 +347,7 @@ for batch in (1, 2, 3, 5, 9, 17, 33, 40):
                                           logprobs=i % 3 or None, presence_penalty=0.1 * (i % 2))))
     while engine.has_work():
         engine.step()
-print("ENTRIES", before, entries(), "GRAPHS", len(graphs), len(engine.runner.model.graphs.graphs))
+print("ENTRIES", before, entries(), "GRAPHS", graphs, len(model.graphs.graphs) + len(model.prefill_graphs.graphs))
 """
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cuda.graphs import DecodeGraphs
+from engine.cuda.prefill_graphs import PrefillBucket, PrefillGraphs, PrefillInputs
 from engine.cuda.varlen import PackedChunks
 from engine.device import to_device
 from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, lora_up, pack_time_mix_in,
@@ -68,7 +69,8 @@ class CudaRwkv7:
     name = "cuda"
 
     def __init__(self, weights: Rwkv7Weights, pool: StatePool, enforce_eager: bool = False,
-                 max_graph_batch: int | None = None):
+                 max_graph_batch: int | None = None, max_prefill_tokens: int = 8192,
+                 prefill_graphs: bool = True):
         self.shape = s = weights.shape
         self.pool = pool
         self.eps = s.ln_x_eps
@@ -83,6 +85,11 @@ class CudaRwkv7:
         self.scratch_slot = pool.num_slots - 1  # padding rows of a graph batch write here
         self.graphs = None if enforce_eager else DecodeGraphs(self._decode_eager, max_graph_batch or self.scratch_slot,
                                                               self.scratch_slot, pool.wkv.device)
+        chunk_size = PackedChunks.direct_chunk_size(DECAY_LOWER_BOUND)
+        eager_prefill = enforce_eager or not prefill_graphs or chunk_size is None or not pool.wkv.is_cuda
+        self.prefill_graphs = None if eager_prefill else PrefillGraphs(
+            self._prefill_graphed, max_prefill_tokens, self.scratch_slot, chunk_size, self.scratch_slot,
+            s.vocab_size, pool.wkv.device)
 
     def _prepare_layer(self, t: dict, i: int) -> Layer:
         p = lambda name: t[f"blocks.{i}.{name}"]  # noqa: E731
@@ -199,10 +206,15 @@ class CudaRwkv7:
         return self.prefill_with_scores(chunks, slots, {})[0]
 
     @torch.inference_mode()
-    def prefill_with_scores(self, chunks: list[list[int]], slots: list[int], score: dict[int, tuple[list[int], int]]
-                            ) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
+    def prefill_with_scores(self, chunks: list[list[int]], slots: list[int], score: dict[int, tuple[list[int], int]],
+                            eager: bool = False) -> tuple[torch.Tensor, dict[int, list[TokenLogprob]]]:
         """``prefill``, and for each chunk ``i`` in ``score`` = {i: (targets, k)}: the logprobs of ``targets``
-        predicted by the chunk's first ``len(targets)`` positions (``engine.scoring``)."""
+        predicted by the chunk's first ``len(targets)`` positions (``engine.scoring``). A captured graph runs
+        it where one fits and nothing is scored, unless ``eager``."""
+        if not score and not eager and self.prefill_graphs is not None:
+            rows = self.prefill_graphs.run(chunks, slots)
+            if rows is not None:
+                return rows, {}
         device = self.emb.device
         packed = PackedChunks([len(c) for c in chunks], device, DECAY_LOWER_BOUND)
         cu_cpu, cu = packed.cu_cpu, packed.cu
@@ -211,7 +223,22 @@ class CudaRwkv7:
         boundaries[0, cu_cpu[:-1]] = torch.tensor(slots, dtype=torch.int32)
         boundaries[1, cu_cpu[1:] - 1] = torch.arange(len(chunks), dtype=torch.int32)
         prev_slot, end_seq = boundaries.pin_memory().to(device, non_blocking=True)
-        slot_t = to_device(slots, torch.long, device)
+        x = self._prefill_layers(tokens, to_device(slots, torch.long, device), prev_slot, end_seq, packed)
+        scores = {i: score_positions(self._normed(x[int(cu_cpu[i]):int(cu_cpu[i]) + len(targets)]), self._head,
+                                     targets, k)
+                  for i, (targets, k) in score.items()}
+        return self._head(self._normed(x[cu[1:] - 1])), scores
+
+    def _prefill_graphed(self, inputs: PrefillInputs, bucket: PrefillBucket) -> torch.Tensor:
+        """A bucket's prefill on fixed shapes, all on the device (what ``PrefillGraphs`` captures)."""
+        packed = PackedChunks.on_device(inputs.cu, inputs.chunk_indices, bucket.chunk_size, DECAY_LOWER_BOUND)
+        x = self._prefill_layers(inputs.tokens, inputs.slots, inputs.prev_slot.to(torch.int32),
+                                 inputs.end_seq.to(torch.int32), packed)
+        return self._head(self._normed(x[inputs.cu[1:] - 1]))
+
+    def _prefill_layers(self, tokens: torch.Tensor, slot_t: torch.Tensor, prev_slot: torch.Tensor,
+                        end_seq: torch.Tensor, packed: PackedChunks) -> torch.Tensor:
+        """The packed tokens through every layer (states read and written by slot); the last hidden states."""
         x = self.emb[tokens]
         v_first = None
         for i, L in enumerate(self.layers):
@@ -220,10 +247,7 @@ class CudaRwkv7:
             x.addmm_(att, L.output.t())
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
             self._channel_mix(L, kx, x)
-        scores = {i: score_positions(self._normed(x[int(cu_cpu[i]):int(cu_cpu[i]) + len(targets)]), self._head,
-                                     targets, k)
-                  for i, (targets, k) in score.items()}
-        return self._head(self._normed(x[cu[1:] - 1])), scores
+        return x
 
     def _prefill_time_mix(self, i, L: Layer, mixed, slots, packed: PackedChunks, v_first):
         T, C = mixed.shape[1], self.shape.n_embd

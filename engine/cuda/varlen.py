@@ -37,12 +37,32 @@ class PackedChunks:
         self.fast = _direct()
         if self.fast is None:
             return
-        _, safe, prepare_indices, triton_34 = self.fast
-        self.chunk_size = 64 if triton_34 and safe(lower_bound, 64) else 16  # as chunk_dplr_delta_rule picks
-        self.safe_gate = safe(lower_bound, self.chunk_size)
-        indices = prepare_indices(self.cu_cpu, self.chunk_size, cu_seqlens_cpu=self.cu_cpu)  # on the CPU
+        self.chunk_size = self.direct_chunk_size(lower_bound)
+        self.safe_gate = self.fast[1](lower_bound, self.chunk_size)
+        indices = self.fast[2](self.cu_cpu, self.chunk_size, cu_seqlens_cpu=self.cu_cpu)  # on the CPU
         self.chunk_indices = indices.pin_memory().to(device, non_blocking=True) if device.type == "cuda" \
             else indices.to(device)
+
+    @classmethod
+    def on_device(cls, cu: torch.Tensor, chunk_indices: torch.Tensor, chunk_size: int,
+                  lower_bound: float) -> PackedChunks:
+        """A packing whose ``cu_seqlens`` and chunk indices are already on the device (a captured prefill's
+        fixed-shape buffers, ``engine.cuda.prefill_graphs``); needs fla's direct entry point."""
+        self = cls.__new__(cls)
+        self.lower_bound, self.cu_cpu, self.cu, self.fast = lower_bound, None, cu, _direct()
+        self.chunk_size, self.chunk_indices = chunk_size, chunk_indices
+        self.safe_gate = self.fast[1](lower_bound, chunk_size)
+        return self
+
+    @staticmethod
+    def direct_chunk_size(lower_bound: float) -> int | None:
+        """The chunk length fla's scan uses (as ``chunk_dplr_delta_rule`` picks it), or None without fla's
+        direct entry point."""
+        fast = _direct()
+        if fast is None:
+            return None
+        _, safe, _, triton_34 = fast
+        return 64 if triton_34 and safe(lower_bound, 64) else 16
 
     def scan(self, r, log_decay, k, v, a, b, h0) -> tuple[torch.Tensor, torch.Tensor]:
         """``[1, T, H, N]`` inputs, ``h0`` ``[num_seqs, H, K, V]`` fp32: the outputs and the final states."""
