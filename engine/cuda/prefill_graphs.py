@@ -157,8 +157,8 @@ class PrefillGraphs:
                 self.capture(b)
 
     def run(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor | None:
-        """Each chunk's last logits ``[len(chunks), vocab]`` (a view of the shared logits buffer, valid until the
-        next prefill), or None when no bucket holds this prefill."""
+        """Each chunk's last logits ``[len(chunks), vocab]``, or None when no bucket holds this prefill. A copy:
+        the shared buffer is the next prefill's (a few MB, one kernel)."""
         b = self.bucket_for(sum(len(c) for c in chunks), len(chunks))
         if b is None:
             return None
@@ -166,7 +166,7 @@ class PrefillGraphs:
             self.capture(b)
         self._load(lay_out(b, chunks, slots, self.scratch_slot), b)
         self.graphs[b].replay()
-        return self.logits[:len(chunks)]
+        return self.logits[:len(chunks)].clone()
 
     def _load(self, host: torch.Tensor, b: PrefillBucket) -> None:
         # pinned per call: the caching host allocator keeps a block until its copy is done
