@@ -10,8 +10,11 @@ bucket, padding rows decode a dummy token into the scratch slot.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -25,6 +28,23 @@ def bucket_sizes(max_bs: int) -> list[int]:
     if sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """``torch.cuda.graph`` with the garbage collector held off: a collection in the middle of a capture can run a
+    finalizer that calls CUDA (freeing a pinned buffer or an event of an earlier object), which invalidates the
+    capture (seen on an H200 when captures followed other work in one process). Other threads' CUDA calls do
+    not invalidate it (thread-local capture mode)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -52,7 +72,7 @@ class DecodeGraphs:
         self.step(self.tokens[:bs], self.slots[:bs])  # warmup: Triton compiles, cuBLAS picks kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             self.outputs[bs] = self.step(self.tokens[:bs], self.slots[:bs])
         if self._pool is None:
             self._pool = graph.pool()

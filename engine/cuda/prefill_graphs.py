@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from engine.cuda.graphs import capturing
+
 log = logging.getLogger(__name__)
 
 TOKEN_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -123,6 +125,7 @@ class PrefillGraphs:
         self.logits = torch.empty(max(b.num_seqs for b in self.buckets), vocab_size, dtype=torch.float32,
                                   device=device)
         self.graphs: dict[PrefillBucket, torch.cuda.CUDAGraph] = {}
+        self.eager: set[PrefillBucket] = set()  # captures that failed
         self.capture_s = 0.0
         self._pool = None
 
@@ -132,17 +135,25 @@ class PrefillGraphs:
         return next((b for b in self.buckets[start:] if b.seqs >= num_seqs), None)
 
     @torch.inference_mode()
-    def capture(self, b: PrefillBucket) -> None:
-        """Capture one bucket (at warm-up, or lazily on first use): an eager run first compiles and autotunes."""
+    def capture(self, b: PrefillBucket) -> bool:
+        """Capture one bucket (at warm-up, or lazily on first use): an eager run first compiles and autotunes.
+        A capture that fails (a library call that may not be captured) leaves the bucket eager; False."""
         t0 = time.perf_counter()
         self._load(lay_out(b, [[0]], [self.scratch_slot], self.scratch_slot), b)
         self.forward(PrefillInputs.view(self.inputs, b), b)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            # fresh views each call: fla's identity-keyed tensor cache misses on the first layer, so the graph
-            # records the chunk offsets it derives from cu instead of reusing an eager run's
-            self.logits[:b.num_seqs].copy_(self.forward(PrefillInputs.view(self.inputs, b), b))
+        try:
+            with capturing(graph, self._pool):
+                # fresh views each call: fla's identity-keyed tensor cache misses on the first layer, so the
+                # graph records the chunk offsets it derives from cu instead of reusing an eager run's
+                self.logits[:b.num_seqs].copy_(self.forward(PrefillInputs.view(self.inputs, b), b))
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            self.eager.add(b)
+            log.warning("prefill graph capture failed: the bucket runs eagerly",
+                        extra={"tokens": b.tokens, "seqs": b.seqs, "error": str(e).splitlines()[0]})
+            return False
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[b] = graph
@@ -150,20 +161,19 @@ class PrefillGraphs:
         seconds = time.perf_counter() - t0
         self.capture_s += seconds
         log.info("captured prefill graph", extra={"tokens": b.tokens, "seqs": b.seqs, "seconds": round(seconds, 3)})
+        return True
 
     def capture_all(self) -> None:
         for b in reversed(self.buckets):  # largest first: the pool is sized once
-            if b not in self.graphs:
+            if b not in self.graphs and b not in self.eager:
                 self.capture(b)
 
     def run(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor | None:
         """Each chunk's last logits ``[len(chunks), vocab]``, or None when no bucket holds this prefill. A copy:
         the shared buffer is the next prefill's (a few MB, one kernel)."""
         b = self.bucket_for(sum(len(c) for c in chunks), len(chunks))
-        if b is None:
+        if b is None or b in self.eager or (b not in self.graphs and not self.capture(b)):
             return None
-        if b not in self.graphs:
-            self.capture(b)
         self._load(lay_out(b, chunks, slots, self.scratch_slot), b)
         self.graphs[b].replay()
         return self.logits[:len(chunks)].clone()
