@@ -15,6 +15,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, RedisError
 
+from api.pipelined import Commands, PipelinedRedis
 from api.pubsub import Multiplexer
 from worker import contract as c
 
@@ -58,6 +59,7 @@ class Snapshot:
 class Broker:
     def __init__(self, redis_url: str, worker_cache_s: float = 1.0):
         self.redis = resilient_client(redis_url, CLIENT_NAME, socket_timeout=10)
+        self.pipelined = PipelinedRedis(redis_url, CLIENT_NAME)  # the accept path: admission reads, enqueue
         self._pubsub_client = resilient_client(redis_url, PUBSUB_CLIENT_NAME)
         # This process's lease: workers cancel its sync requests once it lapses (the process died).
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -87,6 +89,7 @@ class Broker:
         await self.channels.stop()
         await self._pubsub_client.aclose()
         await self.redis.aclose()
+        await self.pipelined.close()
 
     async def _keep_lease(self) -> None:
         while True:
@@ -100,10 +103,10 @@ class Broker:
 
     async def enqueue(self, requests: list[c.QueuedRequest]) -> None:
         """Write each request's record, then add it to its tenant's stream (one MULTI)."""
-        pipe = self.redis.pipeline(transaction=True)
+        commands = Commands()
         for req in requests:
-            req.enqueue(pipe)
-        await pipe.execute()
+            req.enqueue(commands)
+        await self.pipelined.execute(commands.args, transaction=True)
 
     async def cancel(self, request_ids: list[str]) -> None:
         """Cancel marker (for requests not picked up yet) + abort message (for running ones)."""
@@ -211,10 +214,7 @@ class Broker:
         tenants' from a snapshot at most DEPTHS_CACHE_S old (shared by concurrent callers). Two XLENs a request
         instead of two per tenant."""
         own_streams = [c.request_stream(p, tenant) for p in c.PRIORITIES]
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in own_streams:
-            pipe.xlen(stream)
-        own = sum(await pipe.execute())
+        own = sum(await self.pipelined.execute([("XLEN", stream) for stream in own_streams]))
         async with self._depths_lock:
             now = time.monotonic()
             if now - self._depths_at >= DEPTHS_CACHE_S:
