@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ssl
 import time
 
 import hiredis
-from redis.connection import SSLConnection, parse_url
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+
+from worker.connection import handshake, tls_context
 
 _MULTI, _EXEC = hiredis.pack_command(("MULTI",)), hiredis.pack_command(("EXEC",))
 
@@ -152,25 +153,14 @@ class PipelinedRedis:
             if "path" in o:
                 connect = loop.create_unix_connection(lambda: _Protocol(self), o["path"])
             else:
-                context = None
-                if o.get("connection_class") is SSLConnection:
-                    context = ssl.create_default_context()
-                    if o.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
-                        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
                 connect = loop.create_connection(lambda: _Protocol(self), o.get("host", "localhost"),
-                                                 o.get("port", 6379), ssl=context)
+                                                 o.get("port", 6379), ssl=tls_context(o))
             _, protocol = await asyncio.wait_for(connect, self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as e:
             raise ConnectionError(f"cannot connect to redis: {e!r}") from e
-        handshake = []
-        if o.get("password"):
-            handshake.append(("AUTH", o["username"], o["password"]) if o.get("username") else ("AUTH", o["password"]))
-        if o.get("db"):
-            handshake.append(("SELECT", o["db"]))
-        handshake.append(("CLIENT", "SETNAME", self.client_name))
-        self.protocol = protocol
+        self.protocol = protocol  # commands of other callers queue behind the hand-shake on the wire
         try:
-            await self._round_trip(handshake, transaction=False)
+            await self._round_trip(handshake(o, self.client_name), transaction=False)
         except ResponseError as e:
             protocol.fail(ConnectionError(f"redis refused the connection: {e}"))
             raise ConnectionError(f"redis refused the connection: {e}") from e

@@ -12,6 +12,28 @@ import redis
 from redis.connection import parse_url
 
 
+def handshake(options: dict, client_name: str) -> list[tuple]:
+    """The commands a new connection sends first (AUTH, SELECT, CLIENT SETNAME), from ``parse_url`` options."""
+    commands = []
+    if options.get("password"):
+        user = options.get("username")
+        commands.append(("AUTH", user, options["password"]) if user else ("AUTH", options["password"]))
+    if options.get("db"):
+        commands.append(("SELECT", options["db"]))
+    commands.append(("CLIENT", "SETNAME", client_name))
+    return commands
+
+
+def tls_context(options: dict) -> ssl.SSLContext | None:
+    """A TLS context for a ``rediss://`` URL (verification off with ``ssl_cert_reqs=none``), else None."""
+    if options.get("connection_class") is not redis.connection.SSLConnection:
+        return None
+    context = ssl.create_default_context()
+    if options.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    return context
+
+
 class NotSent(redis.ConnectionError):
     """Redis could not be reached: nothing of the write ran."""
 
@@ -35,23 +57,16 @@ class RawConnection:
             else:
                 sock = socket.create_connection((o.get("host", "localhost"), o.get("port", 6379)), self.timeout_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if o.get("connection_class") is redis.connection.SSLConnection:
-                    context = ssl.create_default_context()
-                    if o.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
-                        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                context = tls_context(o)
+                if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=o.get("host"))
         except OSError as e:
             raise NotSent(f"cannot connect to redis: {e}") from e
         self.sock, self.reader = sock, hiredis.Reader()
-        handshake = []
-        if o.get("password"):
-            handshake.append(("AUTH", o["username"], o["password"]) if o.get("username") else ("AUTH", o["password"]))
-        if o.get("db"):
-            handshake.append(("SELECT", o["db"]))
-        handshake.append(("CLIENT", "SETNAME", self.client_name))
+        first = handshake(o, self.client_name)
         try:
-            self.send(b"".join(hiredis.pack_command(cmd) for cmd in handshake))
-            errors = [r for r in self.read(len(handshake)) if isinstance(r, hiredis.ReplyError)]
+            self.send(b"".join(hiredis.pack_command(cmd) for cmd in first))
+            errors = [r for r in self.read(len(first)) if isinstance(r, hiredis.ReplyError)]
         except BaseException:
             self.close()
             raise
