@@ -3,6 +3,7 @@
     python -m engine.bench --device cpu
     python -m engine.bench --device cuda --shapes 0.1b,1.5b,7.2b [--out BENCHMARKS.md]
     python -m engine.bench --device cuda --sampler-only --out -
+    python -m engine.bench --device cuda --prefill-only --shapes 1.5b --out -
 """
 
 from __future__ import annotations
@@ -288,6 +289,35 @@ def bench_cuda(shapes: list[str], max_batch: int, decode_only: bool = False) -> 
     return out
 
 
+PREFILL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def bench_prefill_sizes(name: str, prompt_len: int = 128) -> str:
+    """GPU time of one packed prefill step by its size (``prompt_len``-token prompts), replayed from its captured
+    graph and run eagerly: what a step admitting a few prompts costs the decoding sequences beside it."""
+    from engine.cuda.model import CudaRwkv7
+    from engine.state import StatePool
+
+    p = PRESETS[name]
+    weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
+                                                        seed=0, dtype=torch.bfloat16, device="cuda"))
+    model = CudaRwkv7(weights.to("cuda", torch.bfloat16), StatePool(weights.shape, 129, "cuda", torch.bfloat16,
+                                                                     torch.float32))
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for size in PREFILL_SIZES:
+        n = max(1, size // prompt_len)
+        prompts = [torch.randint(1, 65536, (min(size, prompt_len),), generator=gen).tolist() for _ in range(n)]
+        graph_ms = cuda_time_ms(lambda: model.prefill(prompts, list(range(n))), iters=10, warmup=3)
+        eager_ms = cuda_time_ms(lambda: model.prefill_with_scores(prompts, list(range(n)), {}, eager=True),
+                                iters=5, warmup=2)
+        tokens = n * len(prompts[0])
+        rows.append([f"{n} × {len(prompts[0])}", f"{graph_ms:.2f}", f"{tokens / graph_ms * 1e3:,.0f}",
+                     f"{eager_ms:.2f}", f"{tokens / eager_ms * 1e3:,.0f}"])
+    return table(f"One prefill step by size ({name}, bf16, fp32 state; wall ms over repeated steps)",
+                 ["prompts × tokens", "graph ms", "graph tok/s", "eager ms", "eager tok/s"], rows)
+
+
 def bench_host(batches: tuple[int, ...] = (64, 256, 1024), steps: int = 60) -> str:
     """The engine loop's own host time per generated token (schedule, launch bookkeeping, post-processing:
     detokenize, stops, outputs) over a synthetic runner that takes no time: what the host adds to every token
@@ -361,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode table (minutes less: no prefill, mixed step, bf16 state, drift)")
     ap.add_argument("--sampler-only", action="store_true", help="only the CUDA sampler table (a minute)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only a prefill step's time by size, graph and eager (the first of --shapes)")
     ap.add_argument("--host", action="store_true", help="only the engine loop's host time per token (no device)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
@@ -384,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.sampler_only:
             body = bench_sampler_cuda()
+        elif args.prefill_only:
+            body = bench_prefill_sizes(args.shapes.split(",")[0])
         else:
             body = bench_cuda(args.shapes.split(","), args.max_batch, args.decode_only) + "\n" + bench_sampler_cuda()
         where = f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"
