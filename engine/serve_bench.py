@@ -34,13 +34,25 @@ class Workload:
 
 
 def standard_workloads(concurrency: int) -> list[Workload]:
-    """The issue's workloads: 1,024 concurrent (T=1 and greedy), one stream, a prefill-heavy burst."""
+    """The issue's workloads: 1,024 concurrent (T=1 with equal and with spread lengths, greedy), one stream, a
+    prefill-heavy burst."""
     n = 2 * concurrency
     return [Workload(f"{concurrency} concurrent, T=1", concurrency, n, 128, 256),
+            Workload(f"{concurrency} concurrent, T=1, 128–384 out (arrivals spread)", concurrency, n, 128, 256,
+                     make_params=spread_lengths(256)),
             Workload(f"{concurrency} concurrent, greedy", concurrency, n, 128, 256, temperature=0.0),
             Workload("1 stream, T=1", 1, 4, 128, 512),
             Workload(f"burst: {concurrency} × 750-token prompts, 16 out", concurrency, concurrency, 750, 16,
                      burst=True)]
+
+
+def spread_lengths(mean: int) -> Callable[[int], SamplingParams]:
+    """Request i's params with an output length in [mean/2, 3·mean/2] (mean ``mean``, spread by i): finishes,
+    hence arrivals, stop coming in waves — the continuous arrivals the ITL p99 target is about."""
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=mean // 2 + (i * 7919) % (mean + 1), ignore_eos=True, temperature=1.0,
+                              seed=i)
+    return params
 
 
 def prompt_of(i: int, length: int, vocab: int) -> list[int]:
