@@ -113,7 +113,11 @@ class PipelinedRedis:
             self.protocol.fail(ConnectionError("client closed"))
 
     async def _round_trip(self, commands: list[tuple], transaction: bool) -> list:
-        protocol = self.protocol or await self._connect()
+        protocol = self.protocol
+        if protocol is not None and protocol.transport.is_closing():  # closed, its connection_lost still to come
+            protocol.fail(ConnectionError("redis connection closing"))
+            protocol = None
+        protocol = protocol or await self._connect()
         blob = b"".join(hiredis.pack_command(cmd) for cmd in commands)
         count = len(commands)
         if transaction:
