@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -163,6 +164,9 @@ def test_client_parses_sse_by_hand_and_keeps_the_connection():
 
 # -- end to end ---------------------------------------------------------------------------------
 
+SERVICE_LOGS: list[str] = []  # the API's and the worker's JSON logs, for the TTFT breakdown
+
+
 @pytest.fixture(scope="module")
 def api_url(redis_server, tiny_model_path, tmp_path_factory):
     r = flushed(redis_server.url)
@@ -171,6 +175,7 @@ def api_url(redis_server, tiny_model_path, tmp_path_factory):
     worker = start_worker(redis_server.url, str(tiny_model_path), WORKER, "--max-num-seqs", "8",
                           "--max-model-len", "256", env=ONE_THREAD)
     api = ApiServer(redis_server.url, "--api-keys-file", str(keys), "--model-name", "tiny-bench")
+    SERVICE_LOGS[:] = [api.log_path, worker.log_path]
     try:
         api.wait_healthy()
         wait_heartbeat(r, WORKER)
@@ -224,6 +229,23 @@ def test_served_run_measures_every_request(served):
     details = result["details"]
     for ttft, itl, e2e in zip(details["ttft"], details["itl"], details["e2el"]):
         assert len(itl) <= 7 and sum(itl) == pytest.approx(e2e - ttft)  # a chunk may carry several tokens
+
+
+def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
+    """Every request of the run is found in the API's and the worker's logs, and its five parts follow one
+    another in time (each ≥ 0 but for the API's millisecond stamps; a request joined with another's log lines,
+    or a worker time taken from the wrong origin, breaks the order)."""
+    from worker.loadgen.breakdown import main, read_logs, split
+    _, path, result = served
+    details = result["details"]
+    assert all(rid and rid.startswith("cmpl-") for rid in details["request_id"])
+    rows = split(details, *read_logs([Path(p) for p in SERVICE_LOGS]))
+    assert len(rows) == 8
+    for parts in rows:
+        assert all(p > -0.002 for p in parts), parts
+        assert parts[2] > 0  # the engine took some time to prefill and step
+    assert main([str(path), *SERVICE_LOGS, "--out", str(tmp_path / "b.md")]) == 0
+    assert "→ first token on the worker" in (tmp_path / "b.md").read_text()
 
 
 def test_chat_with_a_rate_and_a_concurrency_limit(api_url):

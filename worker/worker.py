@@ -355,7 +355,8 @@ class Worker:
             self.metrics.on_request_end(result.status)
         key = c.request_key(result.id)
         log.info("request finished", extra={"request_id": result.id, "status": result.status,
-                                            "completion_tokens": result.completion_tokens, "worker": self.cfg.name})
+                                            "completion_tokens": result.completion_tokens, "worker": self.cfg.name,
+                                            "request_created": result.created, **result.timings})
         return [Command("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
                 Command("HSET", key, "status", result.status, "finished", result.finished),
                 Command("EXPIRE", key, c.REQUEST_RECORD_TTL_S),

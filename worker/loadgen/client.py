@@ -106,6 +106,7 @@ async def _read_stream(response: Response, record: RequestRecord, sent: float) -
                 if _has_choices(payload):
                     if last is None:
                         record.ttft = now - sent
+                        record.request_id = orjson.loads(payload).get("id")
                     else:
                         record.itl.append(now - last)
                     last, num_chunks = now, num_chunks + 1
@@ -135,7 +136,7 @@ async def send_one(pool: Pool, head: bytes, body: bytes, is_stream: bool, record
                    timeout_s: float) -> None:
     """One request into ``record``; every failure (HTTP status, stream error, exception, timeout) is kept
     as its message, never raised."""
-    sent = time.monotonic()
+    sent, record.sent_wall = time.monotonic(), time.time()
     record.start = sent - t0
     response: Response | None = None
 

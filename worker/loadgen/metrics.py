@@ -32,6 +32,8 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    request_id: str | None = None  # the response's id (the server's request id: joins the server's logs)
+    sent_wall: float = 0.0  # time.time() when sent (the server's logs stamp wall time)
 
 
 def summarize(values_s: list[float], name: str) -> dict[str, float | None]:
@@ -75,7 +77,8 @@ def details(records: list[RequestRecord]) -> dict[str, list]:
     """Per-request arrays for ``--save-detailed`` (seconds, as vLLM saves them)."""
     return {"start": [r.start for r in records], "ttft": [r.ttft for r in records], "itl": [r.itl for r in records],
             "e2el": [r.e2e for r in records], "output_tokens": [r.output_tokens for r in records],
-            "input_tokens": [r.prompt_tokens for r in records], "errors": [r.error for r in records]}
+            "input_tokens": [r.prompt_tokens for r in records], "errors": [r.error for r in records],
+            "request_id": [r.request_id for r in records], "sent_wall": [r.sent_wall for r in records]}
 
 
 # -- printing ---------------------------------------------------------------------------------

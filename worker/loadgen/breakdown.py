@@ -1,0 +1,102 @@
+"""Where a served request's time to first token goes: a `gaggle bench --save-detailed` result joined, by request
+id, with the JSON logs of the API and the workers (`gaggle up` writes them under DATA_DIR/logs).
+
+    python -m worker.loadgen.breakdown served.json .gaggle/logs [--out BENCHMARKS.md]
+
+Each streamed request's client TTFT splits into five consecutive parts (all wall clock, one host):
+client sent → the API built the request (HTTP, parsing, tokenizing) → a worker took it (admission, enqueue, the
+stream, the worker's reader) → the worker had its first token (the engine: waiting, prefill, the step) → the API
+had it (the worker's writer, pub/sub, the API's dispatch) → the client read it (SSE). The API's log stamps are
+rounded to the millisecond.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import orjson
+
+from engine.report import publish, table
+
+PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
+         "→ first token at the API", "→ first token at the client")
+
+
+def read_logs(paths: list[Path]) -> tuple[dict[str, dict], dict[str, float]]:
+    """From JSON log lines: each request's worker-side times ("request finished": created, queued_s, ttft_s)
+    and the API's first-token stamps."""
+    worker, api_first = {}, {}
+    for path in paths:
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.startswith(b"{"):
+                    continue
+                try:
+                    entry = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                rid, msg = entry.get("request_id"), entry.get("msg")
+                if rid is None:
+                    continue
+                if msg == "request finished" and "ttft_s" in entry:
+                    worker[rid] = entry
+                elif msg == "first token":
+                    api_first.setdefault(rid, entry["ts"])
+    return worker, api_first
+
+
+def split(details: dict, worker: dict[str, dict], api_first: dict[str, float]) -> list[tuple[float, ...]]:
+    """Per joined request: the five parts in seconds (they add up to its client TTFT)."""
+    rows = []
+    for rid, sent, ttft in zip(details["request_id"], details["sent_wall"], details["ttft"]):
+        w = worker.get(rid)
+        if rid is None or ttft is None or w is None or rid not in api_first:
+            continue
+        created = w["request_created"]
+        took, first = created + w["queued_s"], created + w["ttft_s"]
+        rows.append((created - sent, took - created, first - took, api_first[rid] - first,
+                     sent + ttft - api_first[rid]))
+    return rows
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def breakdown_table(rows: list[tuple[float, ...]]) -> str:
+    body = []
+    for i, name in enumerate(PARTS):
+        part = [r[i] for r in rows]
+        body.append([name] + [f"{1e3 * percentile(part, q):.1f}" for q in (0.5, 0.9, 0.99)]
+                    + [f"{1e3 * sum(part) / len(part):.1f}"])
+    totals = [sum(r) for r in rows]
+    body.append(["client TTFT"] + [f"{1e3 * percentile(totals, q):.1f}" for q in (0.5, 0.9, 0.99)]
+                + [f"{1e3 * sum(totals) / len(totals):.1f}"])
+    return table(f"Time to first token, part by part ({len(rows)} requests joined)",
+                 ["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"], body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result", help="a `gaggle bench --save-detailed --save-result` file of a served run")
+    ap.add_argument("logs", nargs="+", help="log files, or folders of *.log (the API's and the workers')")
+    ap.add_argument("--out", default="-", help="append the table here ('-' = print only)")
+    args = ap.parse_args(argv)
+    result = orjson.loads(Path(args.result).read_bytes())
+    if "details" not in result or "request_id" not in result["details"]:
+        print("breakdown: the result has no per-request ids: run gaggle bench with --save-detailed", file=sys.stderr)
+        return 2
+    paths = [p for arg in map(Path, args.logs) for p in (sorted(arg.glob("*.log")) if arg.is_dir() else [arg])]
+    rows = split(result["details"], *read_logs(paths))
+    if not rows:
+        print("breakdown: no request of the result is in those logs (INFO, JSON format needed)", file=sys.stderr)
+        return 2
+    publish("TTFT breakdown", "worker.loadgen.breakdown", argv, breakdown_table(rows), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
