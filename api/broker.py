@@ -140,6 +140,12 @@ class Broker:
                     log.error("undecodable result", extra={"request_id": rid, "error": str(e)})
         return out
 
+    async def without_record(self, request_ids: list[str]) -> list[str]:
+        """The requests whose record Redis no longer has: written with their stream entry in one MULTI and kept
+        for a day, a record is gone only if Redis lost its data (restarted without persistence, flushed)."""
+        found = await self.pipelined.execute([("EXISTS", c.request_key(rid)) for rid in request_ids])
+        return [rid for rid, exists in zip(request_ids, found) if not exists]
+
     async def record(self, request_id: str) -> dict[str, str]:
         raw = await self.redis.hgetall(c.request_key(request_id))
         return {k.decode(): v.decode() for k, v in raw.items()}

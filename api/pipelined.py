@@ -98,6 +98,8 @@ class PipelinedRedis:
     async def execute(self, commands: list[tuple], transaction: bool = False) -> list:
         """The commands' replies, in one round trip (inside MULTI/EXEC with ``transaction``). An error reply
         raises ``ResponseError``; a connection that cannot be had raises ``ConnectionError`` after retries."""
+        if not commands:
+            return []
         delay, deadline = 0.05, time.monotonic() + self.retry_budget_s
         while True:
             try:

@@ -2,7 +2,8 @@
 
 Yields each message of a ``pending`` request until every one has its final; KEEPALIVE when
 nothing was yielded for ``keepalive_s``; a final read from the result keys when the channel
-has been quiet for ``result_poll_s`` (the message was missed: pub/sub reconnect). Raises
+has been quiet for ``result_poll_s`` (the message was missed: pub/sub reconnect), or a failure
+for a request whose record Redis lost. Raises
 TimeoutError at ``deadline`` (loop time).
 """
 
@@ -15,10 +16,12 @@ from collections.abc import AsyncIterator
 from redis.exceptions import RedisError
 
 from api.broker import Broker
+from worker import contract as c
 
 log = logging.getLogger(__name__)
 
 KEEPALIVE = object()
+LOST = "the request was lost: Redis no longer has it (restarted without its data, or flushed); send it again"
 
 
 async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline: float, *,
@@ -54,11 +57,17 @@ async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline
 
 
 async def _poll_results(broker: Broker, pending: set[str]) -> list[dict]:
+    """Finals the channel did not bring: results already stored, and failures for requests Redis lost (their
+    record is gone: nothing will ever answer them, so the caller hears it now, not at its timeout)."""
     try:
         found = await broker.results(sorted(pending))
+        lost = await broker.without_record(sorted(pending - found.keys()))
     except (RedisError, OSError) as e:
         log.warning("result poll failed", extra={"error": str(e)})
         return []
     for rid in found:
         log.info("final result found by polling", extra={"request_id": rid})
+    for rid in lost:
+        log.warning("request lost: redis no longer has it", extra={"request_id": rid})
+        found[rid] = c.error_result(rid, c.STATUS_FAILED, LOST, "request_lost")
     return [{"type": "final", "id": rid, "result": r.to_dict()} for rid, r in found.items()]

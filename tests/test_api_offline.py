@@ -223,6 +223,34 @@ def test_a_missed_final_message_is_found_by_polling(offline, client):
     assert answer["r"].choices[0].text == "from the result key" and answer["r"].usage.completion_tokens == 2
 
 
+def test_a_request_redis_lost_fails_at_the_next_poll_not_at_its_timeout(offline, client):
+    """Redis restarted without its data (here: the request's record and entry deleted while it waits): the
+    caller gets a 500 it can retry within a poll or two, and a stream its error event, not a 504 after the
+    request timeout."""
+    def lose_the_queued_request() -> None:
+        entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
+        rid = c.QueuedRequest.decode(entry[0][1]).id
+        offline.r.delete(c.request_key(rid), DEFAULT_STREAM)
+
+    for stream in (False, True):
+        clear_queue(offline.r)
+        loser = threading.Thread(target=lose_the_queued_request)
+        loser.start()
+        t0 = time.monotonic()
+        if stream:
+            with httpx.stream("POST", offline.url + "/v1/completions", timeout=30,
+                              json={"prompt": "hello", "max_tokens": 4, "stream": True}) as resp:
+                lines = [line for line in resp.iter_lines() if line]
+            error = orjson.loads(lines[-2][6:])["error"]
+            assert lines[-1] == "data: [DONE]" and error["code"] == "request_lost"
+        else:
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model="m", prompt="hello", max_tokens=4)
+            assert e.value.status_code == 500 and e.value.body["code"] == "request_lost"
+        assert time.monotonic() - t0 < TIMEOUT_S - 1  # the request timeout would answer 504 at TIMEOUT_S
+        loser.join(timeout=10)
+
+
 def test_merged_deltas_stream_their_tokens_in_order(offline):
     """A worker whose write covered several steps publishes several tokens of a choice in one delta: the
     client gets them in order, with a logprob per token, and nothing twice at the final."""

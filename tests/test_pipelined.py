@@ -99,3 +99,11 @@ def test_a_restarted_redis_is_reconnected_to(tmp_path):
         assert asyncio.run(run()) == [2]
     finally:
         server.stop()
+
+
+def test_no_commands_no_round_trip(redis_url):
+    async def run():
+        fast = PipelinedRedis(redis_url, "test", timeout_s=0.5)
+        assert await fast.execute([]) == [] and await fast.execute([], transaction=True) == []
+        assert fast.protocol is None  # nothing was sent: no connection either
+    asyncio.run(run())
