@@ -348,7 +348,7 @@ def bench_host(batches: tuple[int, ...] = (64, 256, 1024), steps: int = 60) -> s
 
 
 def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False,
-                    prefill_graphs: bool = True) -> str:
+                    prefill_graphs: bool = True, prefill_hold_tokens: int = 0) -> str:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.serve_bench import (CONSTRAINED_HEADER, PHASES_HEADER, SERVE_HEADER, Workload, bench_constrained,
@@ -366,9 +366,12 @@ def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constraine
                                                             seed=0, dtype=torch.bfloat16, device="cuda"))
         title = f"Serving loop in-process ({shape}, bf16 weights, fp32 state), {c} slots"
     engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(8192, c),
-                                    prefill_graphs=prefill_graphs), weights=weights)
+                                    prefill_graphs=prefill_graphs, prefill_hold_tokens=prefill_hold_tokens),
+                       weights=weights)
     if not prefill_graphs:
         title += ", eager prefill"
+    if prefill_hold_tokens:
+        title += f", new prompts held for {prefill_hold_tokens} tokens"
     if constrained:
         rows, phases = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128,
                                          free_len=120 if cpu else 256)
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
     ap.add_argument("--eager-prefill", action="store_true", help="--serve: no prefill graphs (the A/B of them)")
+    ap.add_argument("--prefill-hold-tokens", type=int, default=0,
+                    help="--serve: new prompts beside decodes wait to share a prefill step (EngineConfig)")
     ap.add_argument("--constrained", action="store_true",
                     help="--serve: half the requests JSON-schema constrained vs all free (256 streams on a GPU)")
     args = ap.parse_args(argv)
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve:
         body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained,
-                               not args.eager_prefill)
+                               not args.eager_prefill, args.prefill_hold_tokens)
         where = (f"GPU: {torch.cuda.get_device_name()}" if args.device != "cpu" else "CPU") + f", torch {torch.__version__}"
         publish(f"Engine serving loop — {where}", "engine.bench", argv, body, args.out)
         return 0

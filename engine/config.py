@@ -19,6 +19,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens per step: decodes + admitted prompt chunks
     prefill_per_decode: float = 3.0  # while sequences decode: prompt tokens per step per decoding one (0: no cap)
     min_prefill_chunk: int = 2048  # ... but at least this many (engine.scheduler)
+    prefill_hold_tokens: int = 0  # beside decodes, new prompts wait until this many prompt tokens wait (0: never)
+    prefill_hold_steps: int = 4  # ... for at most this many steps in a row
     max_model_len: int = 1 << 20  # prompt + output tokens per sequence
     enforce_eager: bool = False  # no CUDA graphs
     prefill_graphs: bool = True  # packed prefills replay graphs captured per (tokens, sequences) bucket
@@ -40,6 +42,8 @@ class EngineConfig:
                              f"max_num_seqs ({self.max_num_seqs}) so prompts are never starved")
         if self.prefill_per_decode < 0 or self.min_prefill_chunk < 1:
             raise ValueError("prefill_per_decode must be >= 0 and min_prefill_chunk >= 1")
+        if self.prefill_hold_tokens < 0 or self.prefill_hold_steps < 0:
+            raise ValueError("prefill_hold_tokens and prefill_hold_steps must be >= 0")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0.1 <= self.gpu_memory_utilization <= 1.0:

@@ -57,7 +57,7 @@ class LLMEngine:
             runner = ModelRunner(config, weights, [self.eos_token_id])
         self.runner = runner
         self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens, config.prefill_per_decode,
-                                   config.min_prefill_chunk)
+                                   config.min_prefill_chunk, config.prefill_hold_tokens, config.prefill_hold_steps)
         self._seed_rng = random.Random(config.seed)
         self._sequences: dict[str, list[Sequence]] = {}
         self._launched: LaunchedStep | None = None  # on the device; finished by the next step()

@@ -7,7 +7,8 @@ with ``n`` choices). While sequences decode, a step's prompt tokens are also hel
 ``prefill_per_decode`` per decoding sequence (at least ``min_prefill_chunk``): a
 prefill token costs about what a decoding sequence's step does at any model size, so
 a mixed step stays within ~3× a decode-only step and decoding never stalls for
-long. Long prompts are chunked across steps.
+long. Long prompts are chunked across steps. Optionally (``prefill_hold_tokens``), new prompts
+beside decodes wait a few steps until enough of them can share one prefill step.
 """
 
 from __future__ import annotations
@@ -69,11 +70,14 @@ class SlotAllocator:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_per_decode: float = 3.0,
-                 min_prefill_chunk: int = 2048):
+                 min_prefill_chunk: int = 2048, prefill_hold_tokens: int = 0, prefill_hold_steps: int = 4):
         self.slots = SlotAllocator(num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_per_decode = prefill_per_decode
         self.min_prefill_chunk = min_prefill_chunk
+        self.prefill_hold_tokens = prefill_hold_tokens
+        self.prefill_hold_steps = prefill_hold_steps
+        self._held = 0  # consecutive steps that held new prompts back
         self.waiting: deque[Sequence] = deque()  # lead sequences; siblings ride along
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -102,11 +106,30 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._add_chunk(out, seq, budget)
+        if self.waiting and self._hold(len(out.decodes)):
+            return out
         while self.waiting and budget > 0 and self.slots.can_allocate(1 + len(self.waiting[0].siblings)):
             seq = self.waiting.popleft()
             self._admit(seq, out)
             budget -= self._add_chunk(out, seq, budget)
         return out
+
+    def _hold(self, num_decodes: int) -> bool:
+        """Whether new prompts wait this step: only beside decodes, while fewer than ``prefill_hold_tokens``
+        prompt tokens wait, for at most ``prefill_hold_steps`` steps in a row. A prefill step has a fixed cost
+        (hundreds of kernels whatever its size), so a few prompts gathered into one step cost the decoding
+        sequences less than one prompt a step."""
+        if not self.prefill_hold_tokens or not num_decodes or self.prefill_hold_steps <= self._held:
+            self._held = 0
+            return False
+        waiting = 0
+        for lead in self.waiting:
+            waiting += lead.num_remaining_prompt
+            if waiting >= self.prefill_hold_tokens:
+                self._held = 0
+                return False
+        self._held += 1
+        return True
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prompt tokens this step may take beside ``num_decodes`` decoding sequences."""

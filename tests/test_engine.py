@@ -222,6 +222,38 @@ def test_prefill_beside_decodes_is_bounded_by_the_number_decoding():
     assert Scheduler(16, 64, prefill_per_decode=0).prefill_budget(8) == 56  # 0: no cap
 
 
+def test_new_prompts_beside_decodes_wait_to_share_a_prefill_step(tiny_weights):
+    """prefill_hold_tokens: beside decodes, a lone prompt waits up to prefill_hold_steps steps; enough waiting
+    prompt tokens are admitted at once; with nothing decoding nothing waits. Same text as without holding."""
+    def prefill_steps(hold: int) -> tuple[list[int], dict]:
+        engine = make_engine(tiny_weights, max_num_seqs=8, max_num_batched_tokens=512, prefill_hold_tokens=hold,
+                             prefill_hold_steps=3)
+        engine.add(Request("decoding", tokens(4, seed=1), SamplingParams(max_tokens=40, ignore_eos=True, seed=1)))
+        steps, admitted = 0, []
+        real_launch = engine.runner.launch
+        engine.runner.launch = lambda batch, *rest: (admitted.append((steps, [c.seq.request_id for c in batch.prefills])),
+                                                     real_launch(batch, *rest))[1]
+        outputs = {}
+        for steps in range(30):
+            if steps == 2:
+                engine.add(Request("lone", tokens(10, seed=2), SamplingParams(max_tokens=3, seed=2)))
+            if steps == 10:
+                for i in range(3):  # 3 × 10 ≥ 24 waiting tokens: no wait
+                    engine.add(Request(f"many{i}", tokens(10, seed=3 + i), SamplingParams(max_tokens=3, seed=3 + i)))
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.token_ids)
+        first = {rid: step for step, rids in admitted for rid in rids}
+        return [first["lone"] - 2, first["many0"] - 10, first["many2"] - 10], outputs
+
+    delays, held = prefill_steps(hold=24)
+    assert delays == [3, 0, 0]  # the lone prompt waited 3 steps; the three together went at once
+    no_delays, plain = prefill_steps(hold=0)
+    assert no_delays == [0, 0, 0] and held == plain
+    engine = make_engine(tiny_weights, max_num_seqs=8, max_num_batched_tokens=512, prefill_hold_tokens=1000)
+    engine.add(Request("alone", tokens(10, seed=9), SamplingParams(max_tokens=2)))
+    assert engine.scheduler.schedule().prefills  # nothing decodes: nothing to gather for
+
+
 def test_long_prompts_beside_decodes_are_chunked_to_the_bound(tiny_weights):
     engine = make_engine(tiny_weights, max_num_seqs=8, max_num_batched_tokens=512, prefill_per_decode=2.0,
                          min_prefill_chunk=16)

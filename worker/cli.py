@@ -20,8 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     g.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences (default 256 on GPU, 32 on CPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="tokens per step (decodes + prompt chunks); a prefill step's host work is ~fixed, so "
-                        "large steps keep the GPU busy")
+                   help="tokens per step (decodes + prompt chunks); prefill graphs are captured up to this size")
+    g.add_argument("--prefill-hold-tokens", type=int, default=0,
+                   help="beside decodes, new prompts wait until this many prompt tokens wait, so that they share "
+                        "one prefill step (0: admit at once)")
+    g.add_argument("--prefill-hold-steps", type=int, default=4, help="... for at most this many steps")
     g.add_argument("--max-model-len", type=int, default=1 << 20)
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -39,7 +42,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         backend=args.backend, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
                         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        prefill_hold_tokens=args.prefill_hold_tokens, prefill_hold_steps=args.prefill_hold_steps)
 
 
 def _has_cuda() -> bool:
