@@ -119,6 +119,14 @@ def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BAT
                  ["parameters", "logits"] + [f"batch {b}" for b in batches], rows)
 
 
+def preset_weights(name: str, dtype: torch.dtype | None = torch.bfloat16):
+    """A preset shape's seeded random weights on the GPU (``dtype`` None: the generator's fp32)."""
+    p = PRESETS[name]
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    return weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536, seed=0,
+                                                     device="cuda", **kwargs))
+
+
 def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
@@ -142,10 +150,7 @@ def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.floa
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    p = PRESETS[name]
-    weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
-                                                        seed=0, dtype=torch.bfloat16, device="cuda"))
-    weights = weights.to("cuda", torch.bfloat16)
+    weights = preset_weights(name).to("cuda", torch.bfloat16)
     shape = weights.shape
     pool = StatePool(shape, max_batch + 1, "cuda", torch.bfloat16, state_dtype)
     model = CudaRwkv7(weights, pool)
@@ -220,9 +225,7 @@ def bench_state_drift(name: str = "1.5b", prompt_len: int = 1024, steps: int = 2
     from engine.model import ReferenceRwkv7
     from engine.state import StatePool
 
-    p = PRESETS[name]
-    base = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536, seed=0,
-                                                     device="cuda"))
+    base = preset_weights(name, dtype=None)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, 65536, (prompt_len,), generator=gen).tolist()
     w32 = base.to("cuda", torch.float32)
@@ -298,9 +301,7 @@ def bench_prefill_sizes(name: str, prompt_len: int = 128) -> str:
     from engine.cuda.model import CudaRwkv7
     from engine.state import StatePool
 
-    p = PRESETS[name]
-    weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
-                                                        seed=0, dtype=torch.bfloat16, device="cuda"))
+    weights = preset_weights(name)
     model = CudaRwkv7(weights.to("cuda", torch.bfloat16), StatePool(weights.shape, 129, "cuda", torch.bfloat16,
                                                                      torch.float32))
     gen = torch.Generator().manual_seed(2)
@@ -361,9 +362,7 @@ def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constraine
         weights = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=65536, seed=0))
         title = "Serving loop in-process, tiny model (2 × 128) on one core"
     else:
-        p = PRESETS[shape]
-        weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
-                                                            seed=0, dtype=torch.bfloat16, device="cuda"))
+        weights = preset_weights(shape)
         title = f"Serving loop in-process ({shape}, bf16 weights, fp32 state), {c} slots"
     engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(8192, c),
                                     prefill_graphs=prefill_graphs, prefill_hold_tokens=prefill_hold_tokens),

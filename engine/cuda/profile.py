@@ -15,19 +15,14 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench import cuda_time_ms
-from engine.demo import PRESETS, random_state_dict
+from engine.bench import cuda_time_ms, preset_weights
 from engine.state import StatePool
-from engine.weights import weights_from_state_dict
 
 
 def build(shape: str, slots: int):
     from engine.cuda.model import CudaRwkv7
 
-    p = PRESETS[shape]
-    weights = weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536,
-                                                        seed=0, dtype=torch.bfloat16, device="cuda"))
-    weights = weights.to("cuda", torch.bfloat16)
+    weights = preset_weights(shape).to("cuda", torch.bfloat16)
     pool = StatePool(weights.shape, slots, "cuda", torch.bfloat16, torch.float32)
     return CudaRwkv7(weights, pool)
 
