@@ -77,3 +77,25 @@ def _no_stray_workers():
     mark = len(STARTED)
     yield
     kill_started(since=mark)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the log tails of the worker and batch-worker processes alive for it
+    (tests.queue_helpers.STARTED): a failure on CI, where nothing else survives, can be read from its output."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    from tests.queue_helpers import STARTED
+    for proc in STARTED:
+        path = getattr(proc, "log_path", None)
+        if not path:
+            continue
+        try:
+            with open(path, errors="replace") as f:
+                tail = f.read()[-4000:]
+        except OSError:
+            continue
+        state = "running" if proc.poll() is None else f"exited {proc.returncode}"
+        report.sections.append((f"log of pid {proc.pid} ({state}): {path}", tail))

@@ -63,6 +63,12 @@ def pending_count(r: redis.Redis) -> int:
     return total
 
 
+# Worker processes of tests run torch on one thread: two workers with torch's default (a thread a core) beside the
+# API and the test on CI's 2 cores oversubscribe them, and spinning threads then cost 2x (measured: the batch
+# kill test, 53 s → 25 s under one busy core; it timed out once on CI).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def start_worker(redis_url: str, model: str, name: str | None, *extra: str,
                  env: dict | None = None) -> subprocess.Popen:
     """A worker process (``name`` None: the worker picks its own); its log goes to a file (a pipe nobody reads
@@ -71,7 +77,7 @@ def start_worker(redis_url: str, model: str, name: str | None, *extra: str,
     cmd = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "--log-format", "json", "worker",
            "--redis-url", redis_url, "--model", model, "--device", "cpu", *named, *extra]
     log = tempfile.NamedTemporaryFile(prefix=f"gaggle-{name or 'worker'}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **ONE_THREAD, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=log)
     proc.log_path = log.name
     STARTED.append(proc)

@@ -58,7 +58,7 @@ def write_lines(path: Path, n: int, max_tokens: int = 6, endpoint: str = "/v1/ch
 
 
 def wait_batch(client: openai.OpenAI, batch_id: str, until=lambda b: b.status in ("completed", "failed", "expired",
-                                                                                  "cancelled"), timeout_s: float = 60):
+                                                                                  "cancelled"), timeout_s: float = 120):
     seen = []
 
     def check():

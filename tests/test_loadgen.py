@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.queue_helpers import REPO, log_of, start_worker
+from tests.queue_helpers import ONE_THREAD, REPO, log_of, start_worker
 from tests.test_api_support import ApiServer, flushed, wait_heartbeat
 from worker.loadgen import metrics as m
 from worker.loadgen.client import _has_choices, send_one
@@ -28,7 +28,6 @@ from worker.loadgen.http import Endpoint, Pool
 
 KEY = "sk-bench-0123456789"
 WORKER = "loadgen-test-worker"
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 WORKLOAD = ["--num-prompts", "8", "--input-len", "16", "--output-len", "8", "--ignore-eos"]
 
 
@@ -173,7 +172,7 @@ def api_url(redis_server, tiny_model_path, tmp_path_factory):
     keys = tmp_path_factory.mktemp("bench-keys") / "keys.txt"
     keys.write_text(f"{KEY} bench\n")
     worker = start_worker(redis_server.url, str(tiny_model_path), WORKER, "--max-num-seqs", "8",
-                          "--max-model-len", "256", env=ONE_THREAD)
+                          "--max-model-len", "256")
     api = ApiServer(redis_server.url, "--api-keys-file", str(keys), "--model-name", "tiny-bench")
     SERVICE_LOGS[:] = [api.log_path, worker.log_path]
     try:

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.queue_helpers import REPO
+from tests.queue_helpers import ONE_THREAD, REPO
 from worker.procs import descendants
 from worker.redis_server import free_port
 
@@ -30,7 +30,8 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
     import openai
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--device", "cpu", "--port", str(port),
-                             "--data-dir", str(tmp_path / "data")], cwd=REPO, stdout=subprocess.PIPE,
+                             "--data-dir", str(tmp_path / "data")], cwd=REPO, env={**os.environ, **ONE_THREAD},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
 
@@ -77,7 +78,8 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
 def start_up(data_dir, port: int, *extra: str) -> subprocess.Popen:
     """``gaggle up`` as a terminal runs it: its own process group, which Ctrl-C signals as a whole."""
     return subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--device", "cpu", "--port", str(port),
-                             "--data-dir", str(data_dir), *extra], cwd=REPO, stdout=subprocess.DEVNULL,
+                             "--data-dir", str(data_dir), *extra], cwd=REPO, env={**os.environ, **ONE_THREAD},
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
