@@ -105,7 +105,10 @@ def parse_engine_spec(spec: str) -> float | None:
     kind, _, rate = spec.partition(":")
     if kind != "synthetic" or not rate:
         raise ValueError(f"--engine must be 'real' or 'synthetic:TOKENS_PER_S', got {spec!r}")
-    value = float(rate)
+    try:
+        value = float(rate)
+    except ValueError:
+        raise ValueError(f"--engine synthetic:TOKENS_PER_S needs a number of tokens a second, got {rate!r}") from None
     if value <= 0:
         raise ValueError(f"a synthetic engine's rate must be positive, got {value}")
     return value

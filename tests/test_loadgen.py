@@ -292,6 +292,21 @@ def test_engine_only_runs_the_same_workload(served, tiny_model_path, tmp_path):
         served_result["metrics"]["output_throughput"] / metrics["output_throughput"])
 
 
+def test_engine_only_with_a_synthetic_engine(tmp_path):
+    """``--engine synthetic:RATE``: the engine-only side of a served run against ``gaggle worker --engine
+    synthetic:RATE`` (both without a model); every token counted, the engine kind saved; a bad spec is refused."""
+    out = tmp_path / "synthetic.json"
+    proc = bench("--engine-only", "--engine", "synthetic:4000", "--max-num-seqs", "8", *WORKLOAD,
+                 "--save-result", str(out))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    result = orjson.loads(out.read_bytes())
+    assert (result["metrics"]["completed"], result["metrics"]["total_output_tokens"]) == (8, 64)
+    assert result["config"]["engine"]["engine"] == "synthetic:4000"
+    _assert_all_metrics(result["metrics"])
+    bad = bench("--engine-only", "--engine", "synthetic:fast", *WORKLOAD)
+    assert bad.returncode != 0 and "synthetic" in bad.stderr
+
+
 # -- the Batch API benchmark (python -m worker.loadgen.batch_bench) ------------------------------
 
 BATCH_BENCH_TITLE = "Batch API benchmark (issue 14)"

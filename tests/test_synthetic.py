@@ -25,8 +25,8 @@ from tests.test_api_support import wait_heartbeat
 
 def test_engine_spec():
     assert parse_engine_spec("real") is None and parse_engine_spec("synthetic:80000") == 80000.0
-    for bad in ("synthetic", "synthetic:0", "gpu:3"):
-        with pytest.raises(ValueError):
+    for bad in ("synthetic", "synthetic:0", "gpu:3", "synthetic:fast"):
+        with pytest.raises(ValueError, match="synthetic"):
             parse_engine_spec(bad)
 
 

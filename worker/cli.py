@@ -136,6 +136,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_kind_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S (no model: tokens at a fixed "
+                                                    "rate through the real scheduler and I/O, for load tests)")
+
+
 def build_engine(args: argparse.Namespace, synthetic_rate: float | None):
     """The worker's engine and its config: the model's, or (a rate) a synthetic one with no model at all."""
     from engine.engine import LLMEngine
@@ -224,8 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_redis_arg(p)
     p.add_argument("--name", help="consumer name, unique among live workers (default: <host>-<device>-<random>); "
                                   "a restart under the same name takes over its predecessor's entries at once")
-    p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S (no model: tokens at a fixed "
-                                                    "rate through the real scheduler and I/O, for load tests)")
+    add_engine_kind_arg(p)
     p.add_argument("--max-deliveries", type=int, default=3)
     p.add_argument("--interactive-reserve", type=int, default=None,
                    help="slots that batch lines leave free for synchronous requests (default: a 128th of the slots)")

@@ -33,8 +33,9 @@ def default_client_processes() -> int:
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The bench flags plus the worker's engine flags (for --engine-only); ``p`` resolves the one clash,
     --model, in favour of the bench's meaning (``conflict_handler="resolve"``)."""
-    from worker.cli import add_engine_args
+    from worker.cli import add_engine_args, add_engine_kind_arg
     add_engine_args(p)
+    add_engine_kind_arg(p)  # --engine-only with a synthetic engine: the served path's cost on machines without a GPU
     g = p.add_argument_group("target")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     g.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
@@ -94,8 +95,8 @@ def config_of(args: argparse.Namespace, model: str | None) -> dict:
     config["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     config["model"] = model
     if args.engine_only:
-        config["engine"] = {k: getattr(args, k) for k in ("device", "dtype", "state_dtype", "backend", "max_num_seqs",
-                                                          "max_num_batched_tokens", "max_model_len")}
+        config["engine"] = {k: getattr(args, k) for k in ("engine", "device", "dtype", "state_dtype", "backend",
+                                                          "max_num_seqs", "max_num_batched_tokens", "max_model_len")}
     return config
 
 

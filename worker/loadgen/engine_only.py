@@ -36,12 +36,12 @@ def chat_default_stop() -> list[str]:
 def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arrivals: list[float],
                     max_concurrency: int | None, sampling: dict) -> tuple[list[RequestRecord], float]:
     """Records of every request and the run's duration, after the engine's warm-up and one untimed request."""
-    from engine.engine import LLMEngine
     from engine.params import SamplingParams
     from engine.sequence import Request
-    from worker.cli import engine_config_from_args
+    from engine.synthetic import parse_engine_spec
+    from worker.cli import build_engine
 
-    engine = LLMEngine(engine_config_from_args(args))
+    engine, _ = build_engine(args, parse_engine_spec(args.engine))  # as `gaggle worker --engine` builds it
     engine.warm_up()  # as the worker does before its first heartbeat: no compilation or capture in the timed run
     prompts = [prompt_ids(engine.tokenizer, r) for r in requests]
     stop = chat_default_stop() if requests and requests[0].is_chat else []
