@@ -348,6 +348,29 @@ def bench_host(batches: tuple[int, ...] = (64, 256, 1024), steps: int = 60) -> s
                                                                                 "tok/s one core allows"], rows)
 
 
+def bench_admission(device: str, num_slots: int = 1024, admitted: int = 64, repeats: int = 20) -> str:
+    """Host time to admit a step's new sequences into the sampler's slot tables (``Sampler.reset_slots``, what
+    ``ModelRunner.admit`` does beside zeroing their states): on CUDA small launches and pinned copies that queue
+    behind the running step. Synchronised only after all repeats: the host's cost, as the loop pays it."""
+    from engine.params import SamplingParams
+    from engine.sampler import Admission, Sampler
+    sampler = Sampler(num_slots, 65536, device)
+    params = SamplingParams(temperature=1.0, max_tokens=256, ignore_eos=True)
+    batch = [Admission(i, params, i, [1] * 128) for i in range(admitted)]
+    sampler.reset_slots(batch)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            sampler.reset_slots(batch)
+        best = min(best, (time.perf_counter() - t) / repeats)
+    sync()
+    return table(f"Admitting {admitted} sequences into {num_slots} sampler slots ({device})",
+                 ["ms a step", "µs a sequence"], [[f"{best * 1e3:.3f}", f"{best / admitted * 1e6:.1f}"]])
+
+
 def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False,
                     prefill_graphs: bool = True, prefill_hold_tokens: int = 0) -> str:
     from engine.config import EngineConfig
@@ -395,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampler-only", action="store_true", help="only the CUDA sampler table (a minute)")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only a prefill step's time by size, graph and eager (the first of --shapes)")
-    ap.add_argument("--host", action="store_true", help="only the engine loop's host time per token (no device)")
+    ap.add_argument("--host", action="store_true",
+                    help="only the engine loop's host time per token (no device) and a step's admissions (--device)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
@@ -407,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.host:
         publish(f"Engine host time — {platform.processor() or platform.machine()}", "engine.bench", argv,
-                bench_host(), args.out)
+                bench_host() + "\n" + bench_admission(args.device), args.out)
         return 0
     if args.serve:
         body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained,

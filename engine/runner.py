@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model import ReferenceRwkv7
 from engine.device import to_device
-from engine.sampler import PendingSample, SampleOutput, Sampler
+from engine.sampler import Admission, PendingSample, SampleOutput, Sampler
 from engine.scheduler import PrefillChunk, SchedulerOutput
 from engine.sequence import Sequence, TokenLogprob
 from engine.state import StatePool
@@ -88,8 +88,8 @@ class ModelRunner:
         if not seqs:
             return
         self.pool.reset(to_device([s.slot for s in seqs], torch.long, self.device))
-        for s in seqs:
-            self.sampler.reset_slot(s.slot, s.params, s.seed, s.prompt_token_ids, self.eos_token_ids)
+        self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
+                                 self.eos_token_ids)
 
     def warm_up(self, max_prefill_tokens: int) -> None:
         """Everything a step can compile, autotune or capture, done now: each decode graph bucket, each prefill

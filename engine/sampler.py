@@ -32,6 +32,7 @@ agree token for token on the same logits and counters (float rounding aside).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -355,6 +356,31 @@ def raw_logprobs(logits: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor
 
 # ------------------------------------------------------------------------------------- the sampler
 
+class Admission(NamedTuple):
+    """A sequence given a slot: what ``Sampler.reset_slots`` writes there."""
+    slot: int
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: Sequence[int]
+
+
+class _SlotRow(NamedTuple):
+    """One admission's rows of the slot tables."""
+    fparams: list[float]
+    iparams: list[int]
+    bias: list[tuple[int, float]]
+    ban: list[int]
+
+
+@functools.lru_cache(maxsize=1024)
+def rounded_once(temperature: float, min_p: float) -> tuple[float, float]:
+    """1 / temperature (greedy rows: 1) and log(min_p) (-inf for 0: no floor), rounded to float32 once for both
+    sampling paths; cached, as most requests share a few values (two scalar tensor ops a sequence otherwise)."""
+    f32 = dict(dtype=torch.float32)
+    inv_t = torch.tensor(1.0, **f32) / torch.tensor(temperature if temperature > 0.0 else 1.0, **f32)
+    return float(inv_t), float(torch.log(torch.tensor(min_p, **f32)))
+
+
 class Sampler:
     """Per-slot sampling state plus one batched ``sample`` step.
 
@@ -409,10 +435,46 @@ class Sampler:
     def reset_slot(self, slot: int, params: SamplingParams, seed: int,
                    prompt_token_ids: Sequence[int], eos_token_ids: Sequence[int] = (0,)) -> None:
         """Admit a sequence into ``slot``: store its params, zero its counters."""
-        self._check_slot(slot)
+        self.reset_slots([Admission(slot, params, seed, prompt_token_ids)], eos_token_ids)
+
+    def reset_slots(self, admissions: Sequence[Admission], eos_token_ids: Sequence[int] = (0,)) -> None:
+        """Admit sequences into their slots: every table written by one copy for all of them (on CUDA a
+        per-sequence write was ~8 small launches and 2 pinned copies: 64 prompts admitted in a step queued
+        ~500 launches behind the running step). Checks everything before writing anything."""
+        rows = [self._admission_row(a, eos_token_ids) for a in admissions]
+        if not rows:
+            return
+        slots = [a.slot for a in admissions]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot was admitted twice in one call: {slots}")
+        n, idx = len(rows), to_device(slots, torch.long, self.device)
+        self._fparams.index_copy_(0, idx, to_device([v for r in rows for v in r.fparams], torch.float32,
+                                                    self.device).view(n, NUM_F))
+        self._iparams.index_copy_(0, idx, to_device([v for r in rows for v in r.iparams], torch.int64,
+                                                    self.device).view(n, NUM_I))
+        self._generated.index_fill_(0, idx, 0)
+        self._bias_ids, self._bias_vals = self._widen(self._bias_ids, self._bias_vals,
+                                                      max(len(r.bias) for r in rows))
+        self._write_rows(self._bias_ids, idx, [[i for i, _ in r.bias] for r in rows], torch.int64)
+        self._write_rows(self._bias_vals, idx, [[b for _, b in r.bias] for r in rows], torch.float32)
+        self._ban_ids = self._widen(self._ban_ids, None, max(len(r.ban) for r in rows))[0]
+        self._write_rows(self._ban_ids, idx, [r.ban for r in rows], torch.int64)
+        self._reset_penalty_state(idx, admissions)
+        if self.masks is None and any(a.params.structured is not None for a in admissions):
+            self.masks = torch.full((self.num_slots, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                                    device=self.device)
+        for a, r in zip(admissions, rows):
+            self._host[a.slot] = a.params
+            self._has_ban[a.slot] = bool(r.ban)
+        self._flags = None
+
+    def _admission_row(self, a: Admission, eos_token_ids: Sequence[int]) -> _SlotRow:
+        """One admission's table rows, checked (nothing is written before every admission passed)."""
+        self._check_slot(a.slot)
+        params = a.params
         # An out-of-range id would be a device-side assert on CUDA: refuse it here.
         params.validate(self.vocab_size)
-        for name, ids in (("prompt_token_ids", prompt_token_ids), ("eos_token_ids", eos_token_ids)):
+        for name, ids in (("prompt_token_ids", a.prompt_token_ids), ("eos_token_ids", eos_token_ids)):
             if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
                 raise ValueError(f"{name} must lie in 0..{self.vocab_size - 1}")
         bias = sorted(params.logit_bias.items())
@@ -421,58 +483,35 @@ class Sampler:
         if not params.ignore_eos:
             ban.update(eos_token_ids)
         ban_list = sorted(ban) if params.min_tokens > 0 else []
-        self._write_params(slot, params, seed, len(bias), len(ban_list))
-        self._generated[slot] = 0
-        self._write_bias(slot, bias)
-        self._write_ban(slot, ban_list)
-        self._reset_penalty_state(slot, params, prompt_token_ids)
-        if params.structured is not None and self.masks is None:
-            self.masks = torch.full((self.num_slots, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
-                                    device=self.device)
-        self._host[slot] = params
-        self._has_ban[slot] = bool(ban_list)
-        self._flags = None
-
-    def _write_params(self, slot: int, params: SamplingParams, seed: int, num_bias: int, num_ban: int) -> None:
-        """One copy per table. 1 / temperature and log(min_p) are rounded once, here, for both paths."""
-        t = params.temperature
-        f32 = dict(dtype=torch.float32)
-        inv_t = torch.tensor(1.0, **f32) / torch.tensor(t if t > 0.0 else 1.0, **f32)  # greedy rows: 1
-        log_min_p = torch.log(torch.tensor(params.min_p, **f32))  # -inf for 0: no floor
-        # through pinned memory, non-blocking: a pageable copy would wait for the GPU (the loop runs ahead)
-        self._fparams[slot] = to_device(
-            [t, params.top_p, params.min_p, params.presence_penalty, params.frequency_penalty,
-             params.repetition_penalty, float(inv_t), float(log_min_p)], torch.float32, self.device)
+        inv_t, log_min_p = rounded_once(params.temperature, params.min_p)
+        fparams = [params.temperature, params.top_p, params.min_p, params.presence_penalty,
+                   params.frequency_penalty, params.repetition_penalty, inv_t, log_min_p]
         k = -1 if params.logprobs is None else params.logprobs
-        self._iparams[slot] = to_device(
-            [max(params.top_k, 0), params.min_tokens, k, seed_key(seed), num_bias, num_ban,
-             int(params.structured is not None)], torch.int64, self.device)
+        iparams = [max(params.top_k, 0), params.min_tokens, k, seed_key(a.seed), len(bias), len(ban_list),
+                   int(params.structured is not None)]
+        return _SlotRow(fparams, iparams, bias, ban_list)
 
-    def _write_bias(self, slot: int, bias: list[tuple[int, float]]) -> None:
-        self._bias_ids, self._bias_vals = self._widen(self._bias_ids, self._bias_vals, len(bias))
-        self._bias_ids[slot] = 0
-        self._bias_vals[slot] = 0.0
-        if bias:
-            self._bias_ids[slot, :len(bias)] = to_device([i for i, _ in bias], torch.int64, self.device)
-            self._bias_vals[slot, :len(bias)] = to_device([b for _, b in bias], torch.float32, self.device)
+    def _write_rows(self, table: torch.Tensor, idx: torch.Tensor, rows: list[list], dtype: torch.dtype) -> None:
+        """The admitted slots' whole rows of a padded sparse table (padding 0), in one copy."""
+        width = table.shape[1]
+        if width == 0:
+            return
+        flat = [v for row in rows for v in (*row, *[0] * (width - len(row)))]
+        table.index_copy_(0, idx, to_device(flat, dtype, self.device).view(len(rows), width))
 
-    def _write_ban(self, slot: int, ban_list: list[int]) -> None:
-        self._ban_ids = self._widen(self._ban_ids, None, len(ban_list))[0]
-        self._ban_ids[slot] = 0
-        if ban_list:
-            self._ban_ids[slot, :len(ban_list)] = to_device(ban_list, torch.int64, self.device)
-
-    def _reset_penalty_state(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int]) -> None:
-        if params.needs_penalties and self.output_counts is None:
+    def _reset_penalty_state(self, idx: torch.Tensor, admissions: Sequence[Admission]) -> None:
+        if self.output_counts is None and any(a.params.needs_penalties for a in admissions):
             v = self.vocab_size
             self.output_counts = torch.zeros(self.num_slots, v, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(self.num_slots, v, dtype=torch.bool, device=self.device)
-        if self.output_counts is not None:
-            self.output_counts[slot] = 0
-            self.prompt_mask[slot] = False
-            if params.repetition_penalty != 1.0 and prompt_token_ids:
-                ids = to_device(prompt_token_ids, torch.int64, self.device)
-                self.prompt_mask[slot, ids] = True
+        if self.output_counts is None:
+            return
+        self.output_counts.index_fill_(0, idx, 0)
+        self.prompt_mask.index_fill_(0, idx, False)
+        marked = [(a.slot, t) for a in admissions if a.params.repetition_penalty != 1.0 for t in a.prompt_token_ids]
+        if marked:  # the prompts' tokens, for repetition_penalty: one scatter for all of them
+            where = to_device([x for pair in marked for x in pair], torch.int64, self.device).view(-1, 2)
+            self.prompt_mask[where[:, 0], where[:, 1]] = True
 
     def copy_slot(self, src: int, dst: int, seed: int) -> None:
         """Fork ``src`` into ``dst`` (n > 1 after a shared prompt): same state, new seed."""

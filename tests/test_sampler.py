@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.sampler import (F_INV_TEMPERATURE, F_LOG_MIN_P, F_TOP_P, I_TOP_K, DeviceSample, Sampler, SlotTables,
+from engine.sampler import (F_INV_TEMPERATURE, Admission, F_LOG_MIN_P, F_TOP_P, I_TOP_K, DeviceSample, Sampler, SlotTables,
                             counter_hash, exponential_noise, mix32, race, sample_candidates, seed_key, vocab_keys)
 
 
@@ -199,6 +199,70 @@ def test_greedy_with_bias_and_penalties_matches_reference() -> None:
         assert tokens == [int(r.argmax()) for r in refs]
         for out, tok in zip(outputs, tokens):
             out.append(tok)
+
+
+def _table_snapshot(sampler: Sampler) -> list[torch.Tensor | None]:
+    return [None if t is None else t.clone() for t in sampler.tables] + [torch.tensor(sampler._has_ban)]
+
+
+def _dirty_sampler(vocab: int) -> Sampler:
+    """Every slot used before: wide bias and ban tables, counters and penalty counts not zero."""
+    sampler = Sampler(6, vocab)
+    for slot in range(6):
+        sampler.reset_slot(slot, SamplingParams(temperature=0.7, logit_bias={i: 0.5 * i for i in range(1, 7)},
+                                                min_tokens=4, stop_token_ids=[1, 2, 3, 4, 5], frequency_penalty=0.3,
+                                                repetition_penalty=1.3, logprobs=2),
+                            seed=100 + slot, prompt_token_ids=[7, 8, 9])
+    for step in range(3):
+        sampler.sample(random_logits(6, vocab, seed=step), slots_of(*range(6)))
+    return sampler
+
+
+def test_admitting_together_equals_one_by_one() -> None:
+    """``reset_slots`` (the engine's admission, one copy per table) writes what per-slot admissions write, over
+    slots whose earlier tables were wider: rows padded and cleared, counters zeroed, nothing of the others'."""
+    vocab = 40
+    eos = [0]
+    batch = [Admission(4, SamplingParams(temperature=0.0), 1, [1, 2]),
+             Admission(1, SamplingParams(temperature=1.2, top_p=0.8, logit_bias={3: -2.0}), 2, []),
+             Admission(5, SamplingParams(temperature=0.9, min_tokens=2, repetition_penalty=1.5, min_p=0.05), 3,
+                       [5, 6, 6]),
+             Admission(0, SamplingParams(temperature=1.0, top_k=5, presence_penalty=0.4, logprobs=3,
+                                         logit_bias={i: 0.1 for i in range(10, 19)}), 4, [30])]
+    one_by_one, together = _dirty_sampler(vocab), _dirty_sampler(vocab)
+    for a in batch:
+        one_by_one.reset_slot(a.slot, a.params, a.seed, a.prompt_token_ids, eos)
+    together.reset_slots(batch, eos)
+    for x, y in zip(_table_snapshot(one_by_one), _table_snapshot(together)):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert one_by_one._host == together._host
+    t = together.tables  # what an admission must leave, written out independently
+    for a in batch:
+        assert int(t.generated[a.slot]) == 0 and not t.output_counts[a.slot].any()
+        assert t.prompt_mask[a.slot].nonzero().flatten().tolist() == (
+            sorted(set(a.prompt_token_ids)) if a.params.repetition_penalty != 1.0 else [])
+        bias = sorted(a.params.logit_bias.items())
+        width = t.bias_ids.shape[1]
+        assert t.bias_ids[a.slot].tolist() == [i for i, _ in bias] + [0] * (width - len(bias))
+        assert t.bias_vals[a.slot].tolist() == pytest.approx([v for _, v in bias] + [0.0] * (width - len(bias)))
+        assert float(t.fparams[a.slot, F_TOP_P]) == pytest.approx(a.params.top_p)
+        assert int(t.iparams[a.slot, I_TOP_K]) == a.params.top_k
+    assert int(t.generated[2]) == 3  # a slot not admitted keeps its counter
+    slots = slots_of(4, 1, 5, 0, 2)
+    for step in range(5):
+        logits = random_logits(5, vocab, seed=20 + step)
+        assert one_by_one.sample(logits, slots).token_ids == together.sample(logits, slots).token_ids
+
+
+@pytest.mark.parametrize("bad", ["twice", "token"])
+def test_a_refused_admission_writes_nothing(bad: str) -> None:
+    sampler = _dirty_sampler(40)
+    before = _table_snapshot(sampler)
+    good = Admission(1, SamplingParams(temperature=0.0), 1, [1])
+    other = Admission(1, SamplingParams(), 2, []) if bad == "twice" else Admission(2, SamplingParams(), 2, [40])
+    with pytest.raises(ValueError):
+        sampler.reset_slots([good, other])
+    assert all(torch.equal(x, y) for x, y in zip(before, _table_snapshot(sampler)) if x is not None)
 
 
 def test_mixed_greedy_and_sampled_rows() -> None:
