@@ -28,20 +28,35 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--files-dir", help="the Batch API's file store, shared with the batch workers (.gaggle/files)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds to finish the requests in flight (taking no new ones)")
+    add_limit_args(p)
+    p.add_argument("--request-timeout", type=float, help="seconds a sync request may take (then 504)")
+
+
+# The API flags a batch line is checked and answered with, as a live request: the batch worker takes them too
+# (``gaggle up`` passes the API's to it), so a line the API would refuse fails its batch's validation.
+LIMIT_FLAGS = ("--max-prompt-tokens", "--max-model-len", "--max-n", "--model-name")
+
+
+def add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int)
     p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit")
     p.add_argument("--max-n", type=int)
     p.add_argument("--model-name", help="the model id clients see")
-    p.add_argument("--request-timeout", type=float, help="seconds a sync request may take (then 504)")
+
+
+def export_settings(args: argparse.Namespace) -> None:
+    """Flags given → GAGGLE_* variables, which Settings reads in every process started from here (uvicorn's
+    workers, RQ's job processes)."""
+    for dest, name in FLAG_SETTINGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            os.environ[f"GAGGLE_{name.upper()}"] = str(value)
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    for dest, name in FLAG_SETTINGS.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            os.environ[f"GAGGLE_{name.upper()}"] = str(value)
+    export_settings(args)
     os.environ["GAGGLE_LOG_LEVEL"] = args.log_level
     os.environ["GAGGLE_LOG_FORMAT"] = args.log_format
     if args.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:

@@ -22,11 +22,12 @@ pytestmark = pytest.mark.slow
 KEY_A, KEY_B = "sk-batch-tenant-a-000000", "sk-batch-tenant-b-111111"
 
 
-def start_batch_worker(redis_url: str, files_dir: Path, name: str) -> subprocess.Popen:
+def start_batch_worker(redis_url: str, files_dir: Path, name: str, *extra: str) -> subprocess.Popen:
     """``gaggle batch-worker`` in its own process group (RQ forks a job process: a crash kills both)."""
+    files_dir.mkdir(parents=True, exist_ok=True)
     log = open(files_dir.parent / f"{name}.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "INFO", "batch-worker",
-                             "--redis-url", redis_url, "--files-dir", str(files_dir), "--window", "64"],
+                             "--redis-url", redis_url, "--files-dir", str(files_dir), "--window", "64", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log_path = log.name
     proc.own_group = True
@@ -271,6 +272,32 @@ def test_cancel_midway_keeps_the_finished_lines(stack, client):
     assert 60 <= len(out) < 200
     assert sorted(o["custom_id"] for o in out + errors) == sorted(f"req-{i}" for i in range(200))
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+def test_the_batch_worker_checks_lines_with_the_apis_limits(redis_server, tmp_path):
+    """``gaggle batch-worker --max-prompt-tokens`` (what ``gaggle up`` passes on from the API's flags): a line the
+    live API would refuse fails its batch's validation, named by line, with the API's code. A database of its
+    own; no GPU worker: nothing is generated."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/6"
+    r = flushed(url)
+    files_dir = tmp_path / "files"
+    api = ApiServer(url, "--files-dir", str(files_dir)).wait_healthy()
+    start_batch_worker(url, files_dir, "bw-limits", "--max-prompt-tokens", "8")
+    try:
+        client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+        path = write_lines(tmp_path / "long.jsonl", 3, endpoint="/v1/completions")
+        lines = path.read_text().splitlines()
+        long_line = json.loads(lines[1])
+        long_line["body"]["prompt"] = "Story " * 40
+        path.write_text("\n".join([lines[0], json.dumps(long_line), lines[2]]) + "\n")
+        batch = client.batches.create(input_file_id=client.files.create(file=path.open("rb"), purpose="batch").id,
+                                      endpoint="/v1/completions", completion_window="24h")
+        done = wait_batch(client, batch.id)
+        assert done.status == "failed", done
+        assert [(e.line, e.code) for e in done.errors.data] == [(2, "prompt_too_long")], done.errors
+    finally:
+        api.stop()
+        r.flushdb()
 
 
 def test_a_batch_past_its_window_expires_with_partial_output(redis_server, tiny_model_path, tmp_path):

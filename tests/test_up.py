@@ -181,3 +181,13 @@ def test_a_batch_completes_through_gaggle_up(tmp_path):
         os.killpg(up.pid, signal.SIGINT)
         up.wait(timeout=90)
     assert up.returncode == 0
+
+
+def test_the_batch_worker_gets_the_apis_limits():
+    """``gaggle up --api-arg``: the flags a batch line is checked against reach the batch worker too, in either
+    spelling; the others (keys, timeouts) stay the API's."""
+    from worker.supervisor import limit_args
+    api_args = ["--max-prompt-tokens=64", "--api-keys-file=k.txt", "--max-n", "4", "--request-timeout=9",
+                "--model-name", "goose"]
+    assert limit_args(api_args) == ["--max-prompt-tokens=64", "--max-n", "4", "--model-name", "goose"]
+    assert limit_args([]) == []

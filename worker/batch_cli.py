@@ -136,9 +136,8 @@ def add_batch_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_batch_worker(args: argparse.Namespace) -> int:
     """Settings reach the jobs (RQ forks a process per job) as GAGGLE_* variables, as for the API."""
-    os.environ["GAGGLE_REDIS_URL"] = args.redis_url
-    if args.files_dir:
-        os.environ["GAGGLE_FILES_DIR"] = args.files_dir
+    from api.server import export_settings
+    export_settings(args)  # --redis-url, --files-dir, the limits
     if args.window:
         os.environ["GAGGLE_BATCH_WINDOW"] = str(args.window)
     from api.batch.worker import serve
@@ -146,6 +145,8 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
 
 
 def add_batch_worker_args(p: argparse.ArgumentParser) -> None:
+    from api.server import add_limit_args
+    add_limit_args(p)  # the API's: lines are validated and answered as live requests
     p.add_argument("--files-dir", help="the file store the API writes to (default: $GAGGLE_FILES_DIR or .gaggle/files)")
     p.add_argument("--window", type=int, help="a batch's lines in flight at a time (default 4,096)")
     p.add_argument("--burst", action="store_true", help="exit when the batch queue is empty")

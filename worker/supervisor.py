@@ -79,6 +79,17 @@ def visible_gpus(device: str) -> list[str]:
     return [f"cuda:{i}" for i in range(n)]
 
 
+def limit_args(api_args: list[str]) -> list[str]:
+    """The ``--api-arg`` flags the batch worker takes too (``--flag=value`` or ``--flag value``)."""
+    from api.server import LIMIT_FLAGS
+    out = []
+    for i, arg in enumerate(api_args):
+        name = arg.split("=", 1)[0]
+        if name in LIMIT_FLAGS:
+            out += [arg] if "=" in arg or i + 1 >= len(api_args) else [arg, api_args[i + 1]]
+    return out
+
+
 class Supervisor:
     def __init__(self, args: argparse.Namespace, model: str):
         self.args = args
@@ -105,10 +116,10 @@ class Supervisor:
             self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log"))
         files = str(self.data_dir / "files")  # the Batch API's file store, shared by the API and the batch worker
         model_name = self.args.model_name or Path(self.model).stem
-        batch = self._python("batch-worker", "--redis-url", self.redis_url, "--files-dir", files)
-        # its jobs read the API's settings from GAGGLE_* (RQ forks them): the served name for the answers' model
-        self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log",
-                                   env={"GAGGLE_MODEL_NAME": model_name}))
+        # the API's served name and limits: batch lines are checked and answered as the API would
+        batch = self._python("batch-worker", "--redis-url", self.redis_url, "--files-dir", files,
+                             "--model-name", model_name, *limit_args(self.args.api_args))
+        self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log"))
         api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
                            str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
                            "--model-name", model_name, "--files-dir", files,
