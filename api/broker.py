@@ -129,22 +129,21 @@ class Broker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def results(self, request_ids: list[str]) -> dict[str, c.Result]:
-        values = await self.redis.mget([c.result_key(rid) for rid in request_ids])
-        out = {}
-        for rid, data in zip(request_ids, values):
+    async def finals(self, request_ids: list[str]) -> tuple[dict[str, c.Result], list[str]]:
+        """In one round trip: the results stored for these requests, and those with neither a result nor a record.
+        Written with its stream entry in one MULTI and kept for a day, a record is gone only if Redis lost its
+        data (restarted without persistence, flushed): nothing will ever answer such a request."""
+        replies = await self.pipelined.execute([("MGET", *(c.result_key(rid) for rid in request_ids)),
+                                                *(("EXISTS", c.request_key(rid)) for rid in request_ids)])
+        results = {}
+        for rid, data in zip(request_ids, replies[0]):
             if data:
                 try:
-                    out[rid] = c.Result.decode(data)
+                    results[rid] = c.Result.decode(data)
                 except (c.SchemaError, TypeError) as e:
                     log.error("undecodable result", extra={"request_id": rid, "error": str(e)})
-        return out
-
-    async def without_record(self, request_ids: list[str]) -> list[str]:
-        """The requests whose record Redis no longer has: written with their stream entry in one MULTI and kept
-        for a day, a record is gone only if Redis lost its data (restarted without persistence, flushed)."""
-        found = await self.pipelined.execute([("EXISTS", c.request_key(rid)) for rid in request_ids])
-        return [rid for rid, exists in zip(request_ids, found) if not exists]
+        lost = [rid for rid, data, exists in zip(request_ids, replies[0], replies[1:]) if not data and not exists]
+        return results, lost
 
     async def record(self, request_id: str) -> dict[str, str]:
         raw = await self.redis.hgetall(c.request_key(request_id))

@@ -60,8 +60,7 @@ async def _poll_results(broker: Broker, pending: set[str]) -> list[dict]:
     """Finals the channel did not bring: results already stored, and failures for requests Redis lost (their
     record is gone: nothing will ever answer them, so the caller hears it now, not at its timeout)."""
     try:
-        found = await broker.results(sorted(pending))
-        lost = await broker.without_record(sorted(pending - found.keys()))
+        found, lost = await broker.finals(sorted(pending))
     except (RedisError, OSError) as e:
         log.warning("result poll failed", extra={"error": str(e)})
         return []
