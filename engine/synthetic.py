@@ -1,6 +1,6 @@
 """A synthetic engine: the real LLMEngine (scheduler, detokenizer, stops, overlapped loop) over a runner that has
 no model and produces tokens at a fixed rate. For measuring everything around the GPU — worker I/O, Redis,
-the API, clients, many workers on one Redis — on machines without one (``gaggle worker --engine synthetic:RATE``).
+the API, clients, many workers on one Redis — on machines without one (``gaggle worker --engine synthetic:RATE[:PROMPT_RATE]``).
 
 A launched step's results are ready once its rows' share of the rate has passed (``rows / tokens_per_s`` after
 the previous step's); waiting for them sleeps, releasing the GIL as a CUDA sync does. Prompt tokens are taken
@@ -98,17 +98,19 @@ def synthetic_engine(config: EngineConfig, tokens_per_s: float, prefill_per_s: f
     return LLMEngine(config, tokenizer=tokenizer, runner=runner)
 
 
-def parse_engine_spec(spec: str) -> float | None:
-    """``real`` → None; ``synthetic:TOKENS_PER_S`` → the rate. ValueError otherwise."""
+def parse_engine_spec(spec: str) -> tuple[float, float | None] | None:
+    """``real`` → None; ``synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S]`` → (decode rate, prefill rate or None:
+    twice the decode rate). ValueError otherwise."""
     if spec == "real":
         return None
-    kind, _, rate = spec.partition(":")
-    if kind != "synthetic" or not rate:
-        raise ValueError(f"--engine must be 'real' or 'synthetic:TOKENS_PER_S', got {spec!r}")
+    kind, _, rates = spec.partition(":")
+    if kind != "synthetic" or not rates or rates.count(":") > 1:
+        raise ValueError(f"--engine must be 'real' or 'synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S]', got {spec!r}")
     try:
-        value = float(rate)
+        values = [float(r) for r in rates.split(":")]
     except ValueError:
-        raise ValueError(f"--engine synthetic:TOKENS_PER_S needs a number of tokens a second, got {rate!r}") from None
-    if value <= 0:
-        raise ValueError(f"a synthetic engine's rate must be positive, got {value}")
-    return value
+        raise ValueError(f"--engine synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S] needs numbers of tokens a second, "
+                         f"got {rates!r}") from None
+    if min(values) <= 0:
+        raise ValueError(f"a synthetic engine's rates must be positive, got {rates!r}")
+    return values[0], values[1] if len(values) > 1 else None

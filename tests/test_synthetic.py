@@ -24,8 +24,9 @@ from tests.test_api_support import wait_heartbeat
 
 
 def test_engine_spec():
-    assert parse_engine_spec("real") is None and parse_engine_spec("synthetic:80000") == 80000.0
-    for bad in ("synthetic", "synthetic:0", "gpu:3", "synthetic:fast"):
+    assert parse_engine_spec("real") is None and parse_engine_spec("synthetic:80000") == (80000.0, None)
+    assert parse_engine_spec("synthetic:10000:160000") == (10000.0, 160000.0)
+    for bad in ("synthetic", "synthetic:0", "gpu:3", "synthetic:fast", "synthetic:1:0", "synthetic:1:2:3"):
         with pytest.raises(ValueError, match="synthetic"):
             parse_engine_spec(bad)
 

@@ -12,6 +12,7 @@ DEFAULT_DATA_DIR = ".gaggle"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from engine.config import EngineConfig  # its defaults (no torch import)
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="RWKV-7 .pth file or fla-hub directory (default: a demo model with random weights)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -25,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="beside decodes, new prompts wait until this many prompt tokens wait, so that they share "
                         "one prefill step (0: admit at once)")
     g.add_argument("--prefill-hold-steps", type=int, default=4, help="... for at most this many steps")
+    g.add_argument("--prefill-per-decode", type=float, default=EngineConfig.prefill_per_decode,
+                   help="beside decodes, prompt tokens a step per decoding sequence (0: no cap) ...")
+    g.add_argument("--min-prefill-chunk", type=int, default=EngineConfig.min_prefill_chunk,
+                   help="... but at least this many")
     g.add_argument("--max-model-len", type=int, default=1 << 20)
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -43,7 +48,13 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
                         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        prefill_hold_tokens=args.prefill_hold_tokens, prefill_hold_steps=args.prefill_hold_steps)
+                        **scheduling_args(args))
+
+
+def scheduling_args(args: argparse.Namespace) -> dict:
+    """The scheduler's EngineConfig fields from the flags (a real or a synthetic engine)."""
+    return dict(prefill_hold_tokens=args.prefill_hold_tokens, prefill_hold_steps=args.prefill_hold_steps,
+                prefill_per_decode=args.prefill_per_decode, min_prefill_chunk=args.min_prefill_chunk)
 
 
 def _has_cuda() -> bool:
@@ -137,20 +148,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def add_engine_kind_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S (no model: tokens at a fixed "
-                                                    "rate through the real scheduler and I/O, for load tests)")
+    p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S] (no model: "
+                        "tokens at a fixed rate through the real scheduler and I/O, for load tests; prompts at twice "
+                        "the rate unless given)")
 
 
-def build_engine(args: argparse.Namespace, synthetic_rate: float | None):
-    """The worker's engine and its config: the model's, or (a rate) a synthetic one with no model at all."""
+def build_engine(args: argparse.Namespace, synthetic: tuple[float, float | None] | None):
+    """The worker's engine and its config: the model's, or (decode and prefill rates) a synthetic one with no
+    model at all."""
     from engine.engine import LLMEngine
-    if synthetic_rate is not None:
+    if synthetic is not None:
         from engine.config import EngineConfig
         from engine.synthetic import synthetic_engine
         config = EngineConfig(model="synthetic", device="cpu", max_num_seqs=args.max_num_seqs or 1024,
                               max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs or 1024),
-                              max_model_len=args.max_model_len)
-        return synthetic_engine(config, synthetic_rate), config
+                              max_model_len=args.max_model_len, **scheduling_args(args))
+        return synthetic_engine(config, *synthetic), config
     config = engine_config_from_args(args)
     return LLMEngine(config), config  # ModelFormatError is a ValueError
 
