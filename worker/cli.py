@@ -148,9 +148,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def add_engine_kind_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="real", help="real | synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S] (no model: "
-                        "tokens at a fixed rate through the real scheduler and I/O, for load tests; prompts at twice "
-                        "the rate unless given)")
+    p.add_argument("--engine", default="real",
+                   help="real | synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S] (no model: tokens at a fixed rate through "
+                        "the real scheduler and I/O, for load tests; prompts at twice the rate unless given)")
 
 
 def build_engine(args: argparse.Namespace, synthetic: tuple[float, float | None] | None):

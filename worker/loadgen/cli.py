@@ -96,7 +96,9 @@ def config_of(args: argparse.Namespace, model: str | None) -> dict:
     config["model"] = model
     if args.engine_only:
         config["engine"] = {k: getattr(args, k) for k in ("engine", "device", "dtype", "state_dtype", "backend",
-                                                          "max_num_seqs", "max_num_batched_tokens", "max_model_len")}
+                                                          "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                                          "prefill_per_decode", "min_prefill_chunk",
+                                                          "prefill_hold_tokens", "prefill_hold_steps")}
     return config
 
 
