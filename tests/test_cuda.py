@@ -519,3 +519,19 @@ def test_sampler_warm_up_leaves_nothing_to_compile(monkeypatch):
         sampler.sample(logits[:b], torch.arange(b, device=DEVICE) + (60 - b if b <= 4 else 0))
     sampler.sample(logits[0].expand(4, -1), torch.arange(4, device=DEVICE))  # a broadcast row, as a prefill's
     assert compiled == [], compiled
+
+
+def test_batched_admission_on_cuda_writes_what_the_cpu_path_writes():
+    """``Sampler.reset_slots`` on CUDA (pinned copies, index_copy_) leaves the same tables as on the CPU."""
+    from engine.params import SamplingParams
+    from engine.sampler import Admission, Sampler
+    batch = [Admission(7, SamplingParams(temperature=0.8, top_p=0.9, logit_bias={5: 1.5, 9: -3.0}), 1, [1, 2]),
+             Admission(2, SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[4]), 2, [3]),
+             Admission(5, SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, logprobs=2), 3, [6, 6, 8])]
+    tables = []
+    for device in ("cpu", "cuda"):
+        sampler = Sampler(8, 512, device, use_kernel=False)
+        sampler.reset_slots(batch, eos_token_ids=[0])
+        tables.append([None if t is None else t.cpu() for t in sampler.tables])
+    for cpu, cuda in zip(*tables):
+        assert (cpu is None and cuda is None) or torch.equal(cpu, cuda)
