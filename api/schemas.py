@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from engine.params import MAX_LOGPROBS
 
@@ -122,7 +123,8 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    # required but for the assistant's (a turn of tool calls has none): checked below, as OpenAI does
+    content: Annotated[Text | list[TextPart] | None, Field(validate_default=True)] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: Text | None = None  # tool
@@ -130,6 +132,14 @@ class ChatMessage(_Body):
     audio: Any = None
     refusal: Any = None
     function_call: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content, info: ValidationInfo):
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing", "Field required (a {role} message needs content)", {"role": role})
+        return content
 
 
 class FunctionDefinition(_Body):

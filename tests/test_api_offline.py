@@ -353,6 +353,12 @@ def test_bad_input_is_a_4xx_and_the_connection_stays_usable(offline):
         assert chunked.status_code == 413 and is_openai_error(chunked.json())
         many = http.post("/v1/completions", json={"prompt": ["a"] * 9})  # 9 > 8 sequences
         assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_sequences"
+        empty = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})  # as OpenAI: content needed
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages[0].content", empty.json()
+        calls = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]}
+        assert http.post("/tokenize", json={"messages": [calls, {"role": "tool", "tool_call_id": "c",
+                                                                  "content": "1"}]}).status_code == 200
         assert http.get("/health").status_code == 200  # the same keep-alive connection
 
 
