@@ -35,7 +35,8 @@ async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline
             raise TimeoutError
         wait = min(deadline, next_poll, last_sent + keepalive_s) - now
         try:
-            msg = await asyncio.wait_for(inbox.get(), max(wait, 0.0))
+            # queued already (a stream behind its worker): taken without wait_for's task and timer
+            msg = inbox.get_nowait() if not inbox.empty() else await asyncio.wait_for(inbox.get(), max(wait, 0.0))
         except asyncio.TimeoutError:
             now = loop.time()
             if now >= next_poll:
