@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 
 from redis.exceptions import RedisError
@@ -35,8 +36,7 @@ async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline
             raise TimeoutError
         wait = min(deadline, next_poll, last_sent + keepalive_s) - now
         try:
-            # queued already (a stream behind its worker): taken without wait_for's task and timer
-            msg = inbox.get_nowait() if not inbox.empty() else await asyncio.wait_for(inbox.get(), max(wait, 0.0))
+            msg = inbox.get_nowait() if not inbox.empty() else await _get_within(inbox, max(wait, 0.0))
         except asyncio.TimeoutError:
             now = loop.time()
             if now >= next_poll:
@@ -55,6 +55,17 @@ async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline
             pending.discard(msg["id"])
         last_sent = loop.time()
         yield msg
+
+
+if sys.version_info >= (3, 11):
+    async def _get_within(inbox: asyncio.Queue, timeout_s: float):
+        """The next message, or asyncio.TimeoutError after ``timeout_s``. Once per message per stream: a timeout
+        on this task, not wait_for's task a call (and a message already queued is taken without either)."""
+        async with asyncio.timeout(timeout_s):
+            return await inbox.get()
+else:  # Python 3.10
+    async def _get_within(inbox: asyncio.Queue, timeout_s: float):
+        return await asyncio.wait_for(inbox.get(), timeout_s)
 
 
 async def _poll_results(broker: Broker, pending: set[str]) -> list[dict]:
