@@ -12,7 +12,7 @@ DEFAULT_DATA_DIR = ".gaggle"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from engine.config import EngineConfig  # its defaults (no torch import)
+    from engine.config import EngineConfig  # the defaults live there (no torch import)
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="RWKV-7 .pth file or fla-hub directory (default: a demo model with random weights)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -20,19 +20,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     g.add_argument("--backend", default="auto", choices=["auto", "reference", "cuda"])
     g.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences (default 256 on GPU, 32 on CPU)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="tokens per step (decodes + prompt chunks); prefill graphs are captured up to this size")
-    g.add_argument("--prefill-hold-tokens", type=int, default=0,
+    g.add_argument("--prefill-hold-tokens", type=int, default=EngineConfig.prefill_hold_tokens,
                    help="beside decodes, new prompts wait until this many prompt tokens wait, so that they share "
                         "one prefill step (0: admit at once)")
-    g.add_argument("--prefill-hold-steps", type=int, default=4, help="... for at most this many steps")
+    g.add_argument("--prefill-hold-steps", type=int, default=EngineConfig.prefill_hold_steps,
+                   help="... for at most this many steps")
     g.add_argument("--prefill-per-decode", type=float, default=EngineConfig.prefill_per_decode,
                    help="beside decodes, prompt tokens a step per decoding sequence (0: no cap) ...")
     g.add_argument("--min-prefill-chunk", type=int, default=EngineConfig.min_prefill_chunk,
                    help="... but at least this many")
-    g.add_argument("--max-model-len", type=int, default=1 << 20)
+    g.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len)
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
     g.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the demo model and embedded Redis data live")
 
 
