@@ -19,7 +19,7 @@ FLAG_SETTINGS = {  # argparse dest -> Settings field
 def add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", type=int, default=1, help="API processes (uvicorn workers)")
+    p.add_argument("--workers", type=int, default=1, help="API processes, each with its own listening socket on Linux")
     p.add_argument("--api-keys-file", help="lines 'key tenant' (also: GAGGLE_API_KEYS=key:tenant,...)")
     p.add_argument("--max-queue", type=int, help="429 above this many queued + running requests")
     p.add_argument("--max-queue-per-tenant", type=int, help="429 above this many of one tenant's (0: no own limit)")
@@ -56,6 +56,8 @@ def export_settings(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.processes import reuse_port_supported, serve_processes
+
     export_settings(args)
     os.environ["GAGGLE_LOG_LEVEL"] = args.log_level
     os.environ["GAGGLE_LOG_FORMAT"] = args.log_format
@@ -67,6 +69,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
-    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
-                log_config=None, access_log=False, timeout_graceful_shutdown=args.shutdown_timeout)
+    options = {"log_config": None, "access_log": False, "timeout_graceful_shutdown": args.shutdown_timeout}
+    if args.workers > 1 and reuse_port_supported():
+        return serve_processes(args.host, args.port, args.workers, args.shutdown_timeout, options)
+    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, workers=args.workers, **options)
     return 0

@@ -1,0 +1,161 @@
+"""``gaggle api --workers N``: a listening socket a process (SO_REUSEPORT), so a burst of keep-alive connections
+is spread over the processes, a process that dies is replaced, and a port already taken is a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from api.processes import reuse_port_supported
+from tests.queue_helpers import REPO
+from tests.test_api_support import ApiServer, flushed, wait_for
+
+pytestmark = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux's")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _tcp_sockets(port: int) -> dict[int, str]:
+    """inode -> state ('LISTEN' / 'ESTABLISHED' / other) of the TCP sockets whose local port is ``port``."""
+    states = {"01": "ESTABLISHED", "0A": "LISTEN"}
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if int(cols[1].rsplit(":", 1)[1], 16) == port:
+                out[int(cols[9])] = states.get(cols[3], cols[3])
+    return out
+
+
+def _sockets_of(pid: int) -> set[int]:
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+def serving_processes(api: ApiServer) -> dict[int, int]:
+    """The API's processes that listen on its port -> the established connections each holds."""
+    sockets = _tcp_sockets(api.port)
+    out = {}
+    for child in _children(api.proc.pid):
+        mine = [sockets[i] for i in _sockets_of(child) if i in sockets]
+        if "LISTEN" in mine:
+            out[child] = mine.count("ESTABLISHED")
+    return out
+
+
+def burst(url: str, connections: int, requests_each: int, while_open=lambda: None) -> tuple[dict[int, int], object]:
+    """``connections`` keep-alive connections opened at once, each POSTing ``requests_each`` async requests:
+    the answers by status, and what ``while_open()`` returned before the connections were closed."""
+    return asyncio.run(_burst(url, connections, requests_each, while_open))
+
+
+async def _burst(url: str, connections: int, requests_each: int, while_open) -> tuple[dict[int, int], object]:
+    from worker.loadgen.http import Endpoint, Pool
+
+    endpoint = Endpoint.parse(url + "/v1/requests")
+    pool = Pool(endpoint)
+    head = endpoint.request_head("POST", {"Content-Type": "application/json"})
+    statuses: dict[int, int] = {}
+
+    async def one(k: int) -> None:
+        for i in range(requests_each):
+            body = b'{"endpoint":"completions","prompt":"goose %d %d","max_tokens":4}' % (k, i)
+            response = await pool.send(head, body)
+            await response.read_body()
+            pool.release(response)
+            statuses[response.status] = statuses.get(response.status, 0) + 1
+
+    await asyncio.gather(*[one(k) for k in range(connections)])
+    seen = while_open()
+    pool.close()
+    return statuses, seen
+
+
+@pytest.fixture()
+def two_process_api(redis_url):
+    flushed(redis_url)
+    api = ApiServer(redis_url, "--workers", "2").wait_healthy()
+    wait_for(lambda: len(serving_processes(api)) == 2, 60, 0.1, "two serving processes")
+    yield api
+    api.stop()
+
+
+def test_a_burst_of_connections_is_spread_over_the_processes(two_process_api):
+    """48 connections opened at once: with one shared socket the first process to wake took most of them
+    (47 of 64 here, all but a few on 16 cores); with a socket a process the kernel hashes them over both."""
+    api = two_process_api
+
+    statuses, held = burst(api.url, 48, 3, lambda: serving_processes(api))
+    assert statuses == {202: 144}
+    assert sum(held.values()) == 48, held
+    # Binomial(48, 1/2): below 10 on one side has probability ~2e-5
+    assert min(held.values()) >= 10, f"connections per process: {held}"
+
+
+def test_a_killed_process_is_replaced_and_the_port_keeps_answering(two_process_api):
+    api = two_process_api
+    victim = sorted(serving_processes(api))[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(serving_processes(api)) == 2 and victim not in serving_processes(api), 60, 0.1,
+             "a replacement process listening")
+    statuses, _ = burst(api.url, 16, 2)
+    assert statuses == {202: 32}
+    assert api.proc.poll() is None
+    assert "api process died; restarting" in api.log(20000)
+
+
+def test_sigterm_stops_every_process(two_process_api):
+    api = two_process_api
+    children = list(serving_processes(api))
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(timeout=30) == 0
+    for pid in children:
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, 0.05, f"api process {pid} gone")
+
+
+def test_a_port_in_use_is_a_clear_error(redis_url):
+    """Something else listens on the port: exit 1 with the reason, not API processes sharing it with it."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        done = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", str(taken.getsockname()[1]),
+                               "--workers", "2", "--redis-url", redis_url], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        taken.close()
+    assert done.returncode == 1, done.stderr
+    assert "cannot listen on 127.0.0.1:" in done.stderr
