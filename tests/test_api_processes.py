@@ -13,67 +13,16 @@ import sys
 import pytest
 
 from api.processes import reuse_port_supported
+from worker import procs
 from tests.queue_helpers import REPO
 from tests.test_api_support import ApiServer, flushed, wait_for
 
 pytestmark = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux's")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _tcp_sockets(port: int) -> dict[int, str]:
-    """inode -> state ('LISTEN' / 'ESTABLISHED' / other) of the TCP sockets whose local port is ``port``."""
-    states = {"01": "ESTABLISHED", "0A": "LISTEN"}
-    out = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if int(cols[1].rsplit(":", 1)[1], 16) == port:
-                out[int(cols[9])] = states.get(cols[3], cols[3])
-    return out
-
-
-def _sockets_of(pid: int) -> set[int]:
-    inodes = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(int(target[8:-1]))
-    except OSError:
-        pass
-    return inodes
-
-
 def serving_processes(api: ApiServer) -> dict[int, int]:
     """The API's processes that listen on its port -> the established connections each holds."""
-    sockets = _tcp_sockets(api.port)
-    out = {}
-    for child in _children(api.proc.pid):
-        mine = [sockets[i] for i in _sockets_of(child) if i in sockets]
-        if "LISTEN" in mine:
-            out[child] = mine.count("ESTABLISHED")
-    return out
+    return {pid: n for pid, n in procs.serving_processes(api.proc.pid, api.port).items() if pid != api.proc.pid}
 
 
 def burst(url: str, connections: int, requests_each: int, while_open=lambda: None) -> tuple[dict[int, int], object]:

@@ -43,3 +43,50 @@ def tree_cpu_seconds(root: int) -> float:
         except OSError:
             pass  # exited
     return total
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
+
+
+def tcp_sockets(port: int) -> dict[int, str]:
+    """inode -> state ('LISTEN', 'ESTABLISHED', else the kernel's hex code) of the TCP sockets on local ``port``."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if int(cols[1].rsplit(":", 1)[1], 16) == port:
+                out[int(cols[9])] = _TCP_STATES.get(cols[3], cols[3])
+    return out
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets a process holds open."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def serving_processes(root: int, port: int) -> dict[int, int]:
+    """The processes under ``root`` (itself included) listening on ``port`` -> the connections each holds."""
+    sockets = tcp_sockets(port)
+    out = {}
+    for pid in (root, *descendants(root)):
+        mine = [sockets[i] for i in socket_inodes(pid) if i in sockets]
+        if "LISTEN" in mine:
+            out[pid] = mine.count("ESTABLISHED")
+    return out

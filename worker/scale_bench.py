@@ -40,7 +40,7 @@ import redis
 from engine.report import publish
 from worker import contract as c
 from worker.loadgen.scale_load import accept_client, drive
-from worker.procs import cpu_seconds, tree_cpu_seconds
+from worker.procs import cpu_seconds, serving_processes, tree_cpu_seconds
 from worker.redis_server import RedisServer, free_port
 
 
@@ -190,11 +190,14 @@ def api_server(redis_url: str, logs: str, processes: int, *extra: str) -> Iterat
         while True:
             try:
                 urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
+                # every process listening: connections opened before one is would all stay on the others
+                if processes == 1 or len(serving_processes(api.pid, port)) >= processes:
+                    break
             except OSError:
-                if time.monotonic() > deadline or api.poll() is not None:
-                    raise RuntimeError(f"the API did not start (log: {log_path})") from None
-                time.sleep(0.3)
+                pass
+            if time.monotonic() > deadline or api.poll() is not None:
+                raise RuntimeError(f"the API did not start (log: {log_path})")
+            time.sleep(0.3)
         yield api, url
     finally:
         api.terminate()
