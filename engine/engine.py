@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -176,11 +177,17 @@ class LLMEngine:
         log.info("engine warmed up", extra={"seconds": round(seconds, 2), "backend": self.runner.backend})
         return seconds
 
-    def step(self) -> list[SequenceOutput]:
-        """Launch the next step; finish the previous one (overlapped) or this one (serial); their outputs."""
+    def step(self, after_launch: Callable[[], None] | None = None) -> list[SequenceOutput]:
+        """Launch the next step; finish the previous one (overlapped) or this one (serial); their outputs.
+
+        ``after_launch``: called once the next step is launched, before waiting for the device — where another
+        thread's Python (the worker's writer) costs the loop nothing: started earlier, it takes the GIL from
+        the launch, whose every torch call releases it."""
         self.clock.start()
         previous = self._launched
         self._launched = self._launch(previous)
+        if after_launch is not None:
+            after_launch()
         outputs = self._finish_step(previous) if previous is not None else []
         if not self.config.async_scheduling and self._launched is not None:
             outputs += self._finish_step(self._launched)

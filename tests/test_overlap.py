@@ -121,3 +121,29 @@ def test_aborts_between_steps_cut_the_same_place_in_both_loops(tiny_weights):
         assert serial[(rid, 0)]["tokens"] == overlapped[(rid, 0)]["tokens"]
     rest = {k: v for k, v in serial.items() if k[0] not in aborts}
     assert same(rest, {k: v for k, v in overlapped.items() if k[0] not in aborts})  # neighbours unaffected
+
+
+def test_after_launch_runs_between_the_launch_and_the_wait_once_a_step(tiny_weights):
+    """``step(after_launch=f)``: f runs once per step, after the next step is launched and before the previous
+    one is collected (the worker hands the writer its outputs there); the outputs are those of a plain loop."""
+    plain = run(make_engine(tiny_weights, async_scheduling=True), mixed_requests())
+    engine = make_engine(tiny_weights, async_scheduling=True)
+    for req in mixed_requests():
+        engine.add(req)
+    calls, outputs, seen = [], [], []
+
+    def after_launch() -> None:
+        launched, previous = engine._launched, calls[-1] if calls else None
+        calls.append(launched)
+        # the step just launched is new; the previous one has not been collected yet
+        seen.append((launched is None or launched is not previous, previous is None or previous.output is None))
+
+    steps = 0
+    while engine.has_work():
+        outputs += engine.step(after_launch=after_launch)
+        steps += 1
+    assert len(calls) == steps and all(new and uncollected for new, uncollected in seen)
+    got = defaultdict(list)
+    for out in outputs:
+        got[(out.request_id, out.index)] += out.token_ids
+    assert dict(got) == {key: value["tokens"] for key, value in plain.items()}

@@ -386,3 +386,22 @@ def test_the_writer_leaves_the_recorded_redis_state():
     from tests.writer_ops import OPS
     from tests.writer_scenario import RECORDING, run_scenario
     assert run_scenario(OPS) == json.loads(RECORDING.read_text())
+
+
+def test_held_outputs_are_queued_before_anything_submitted_after_them(redis_url):
+    """Writer.hold keeps a step's ops until release(); submit() and flush() release them first, so the writer
+    still runs every op in the order the step thread produced them (a request's last tokens before its end)."""
+    from worker.writer import Writer
+    writer = Writer(redis_url, "order", forget=lambda entry_id: None)
+    first, second, third, fourth = ([Publish(f"ch{i}", b"m")] for i in range(4))
+    writer.hold(first)
+    writer.hold([])
+    assert writer._outbox.qsize() == 0  # held: nothing for the writer thread yet
+    writer.submit(second)
+    writer.hold(third)
+    writer.release()
+    writer.release()  # nothing held: nothing queued twice
+    writer.hold(fourth)
+    assert not writer.flush(timeout_s=0.01)  # no writer thread runs here: flushing only queues
+    queued = [writer._outbox.get_nowait() for _ in range(writer._outbox.qsize())]
+    assert queued == [first, second, third, fourth]

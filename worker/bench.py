@@ -77,7 +77,9 @@ class NoComputeEngine:
     def abort(self, request_id: str) -> bool:
         return self.running.pop(request_id, None) is not None
 
-    def step(self) -> list[SequenceOutput]:
+    def step(self, after_launch=None) -> list[SequenceOutput]:
+        if after_launch is not None:  # nothing to launch: the device time is the sleep below
+            after_launch()
         if self.step_s:
             time.sleep(self.step_s)
         t0 = time.perf_counter()

@@ -121,10 +121,11 @@ class Worker:
                 self._update_capacity()  # after the intake: the reader reads while the step runs
                 if self.engine.has_work():
                     self._step()
-                elif burst and self._is_idle():
+                    continue
+                self.writer.release()  # no next launch to wait for
+                if burst and self._is_idle():
                     break
-                else:
-                    self._wait_for_input()
+                self._wait_for_input()
         finally:
             self._shutdown()
 
@@ -311,15 +312,15 @@ class Worker:
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(after_launch=self.writer.release)
         except Exception as e:
             self._on_step_failure(e)
             return
         self._under_test = None
-        # The writer thread folds the outputs into their requests and encodes them; here only what the
-        # loop itself needs: which requests the engine finished.
+        # The writer thread folds the outputs into their requests and encodes them, once the next step is
+        # launched (Writer.hold); here only what the loop itself needs: which requests the engine finished.
         if outputs:
-            self.writer.submit([Outputs(outputs, time.time())])
+            self.writer.hold([Outputs(outputs, time.time())])
         inflight = self.inflight
         for out in outputs:
             if out.finished:

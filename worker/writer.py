@@ -184,19 +184,41 @@ class Writer:
         self._outbox: queue.Queue[list[Op]] = queue.Queue()
         self._unflushed = 0
         self._flushed = threading.Condition()
+        self._held: list[list[Op]] = []  # step-thread only: queued at the next release() or submit()
 
     # -- step-thread side ------------------------------------------------------------------------
 
     def submit(self, ops: list[Op]) -> None:
-        """Queue one step's operations; the writer runs them in order, in one write with what piled up."""
+        """Queue one step's operations (after any held ones); the writer runs them in order, in one write
+        with what piled up."""
+        self.release()
+        self._queue(ops)
+
+    def hold(self, ops: list[Op]) -> None:
+        """Queue ``ops`` at the next ``release()`` (or ``submit()``/``flush()``, which keep the order). The
+        step thread holds a step's outputs until it has launched the next step: folded and encoded at once,
+        this thread's Python took the GIL from the launch (each torch call releases it) and stretched the
+        step; held, it runs while the step thread waits for the device."""
+        if ops:
+            self._held.append(ops)
+
+    def release(self) -> None:
+        """Queue what ``hold()`` kept."""
+        if self._held:
+            held, self._held = self._held, []
+            for ops in held:
+                self._queue(ops)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        self.release()
+        with self._flushed:
+            return self._flushed.wait_for(lambda: self._unflushed == 0, timeout=timeout_s)
+
+    def _queue(self, ops: list[Op]) -> None:
         if ops:
             with self._flushed:
                 self._unflushed += 1
             self._outbox.put(ops)
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        with self._flushed:
-            return self._flushed.wait_for(lambda: self._unflushed == 0, timeout=timeout_s)
 
     # -- writer thread -----------------------------------------------------------------------------
 
