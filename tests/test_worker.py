@@ -195,14 +195,17 @@ def test_cancel_marker_and_deadline_for_queued_requests(r, redis_url, tiny_weigh
     assert result(r, "too-late").status == "expired"
 
 
-def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url, tiny_weights):
+@pytest.mark.parametrize("handover", ["after-launch", "step-end"])
+def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url, tiny_weights, handover):
+    """Either way the step thread hands outputs to the writer (held until the next launch, or at once), every
+    delta comes, in order, before the final."""
     pubsub = r.pubsub()
     pubsub.subscribe(c.out_channel("s"), c.out_channel("q"))
     for _ in range(2):
         pubsub.get_message(timeout=1)  # subscribe confirmations
     submit(r, "s", prompt(3), stream=True, n=2, max_tokens=12, temperature=1.0, seed=5)
     submit(r, "q", prompt(4), max_tokens=12)
-    InProcessWorker(tiny_weights, redis_url).worker.run(burst=True)
+    InProcessWorker(tiny_weights, redis_url, writer_handover=handover).worker.run(burst=True)
     messages = {"s": [], "q": []}
     while (msg := pubsub.get_message(timeout=1)) is not None:
         if msg["type"] == "message":

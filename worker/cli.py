@@ -134,7 +134,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     device = config.resolved_device()
     cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
-                       interactive_reserve=args.interactive_reserve)
+                       interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:
@@ -248,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive-reserve", type=int, default=None,
                    help="slots that batch lines leave free for synchronous requests (default: a 128th of the slots)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    from worker.writer import HANDOVERS
+    p.add_argument("--writer-handover", choices=HANDOVERS, default="after-launch",
+                   help="when a step's outputs go to the writer thread: once the next step is launched (default), "
+                        "or at once (step-end: the A/B)")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--check", action="store_true",
                    help="exit 0 if the worker's heartbeat (--name; without it: any worker on this host) is fresh")

@@ -27,6 +27,7 @@ from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
 from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
 from worker.results import InFlight
+from worker.writer import HANDOVERS
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,17 @@ class WorkerConfig:
     result_ttl_s: int = c.RESULT_TTL_S
     deadline_check_interval_s: float = 0.5
     interactive_reserve: int | None = None  # slots batch lines leave free for sync requests (None: slots // 128)
+    # when a step's outputs go to the writer thread: "after-launch" (once the next step is launched: the
+    # writer's Python runs while this thread waits for the device) or "step-end" (at once; for A/B runs)
+    writer_handover: str = "after-launch"
 
     def __post_init__(self) -> None:
         if not self.name:
             self.name = unique_worker_name()
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
+        if self.writer_handover not in HANDOVERS:
+            raise ValueError(f"writer_handover must be one of {HANDOVERS}, got {self.writer_handover!r}")
 
 
 class Worker:
@@ -80,6 +86,7 @@ class Worker:
         self._next_deadline_check = 0.0
         self._tokens_per_s = 0.0
         self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
+        self._hold_outputs = cfg.writer_handover == "after-launch"
         self._under_test: str | None = None
         self.metrics = None  # worker.metrics.WorkerMetrics when --metrics-port is given
 
@@ -311,8 +318,9 @@ class Worker:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        after_launch = self.writer.release if self._hold_outputs else None
         try:
-            outputs = self.engine.step(after_launch=self.writer.release)
+            outputs = self.engine.step(after_launch=after_launch)
         except Exception as e:
             self._on_step_failure(e)
             return
@@ -320,7 +328,8 @@ class Worker:
         # The writer thread folds the outputs into their requests and encodes them, once the next step is
         # launched (Writer.hold); here only what the loop itself needs: which requests the engine finished.
         if outputs:
-            self.writer.hold([Outputs(outputs, time.time())])
+            ops = [Outputs(outputs, time.time())]
+            self.writer.hold(ops) if self._hold_outputs else self.writer.submit(ops)
         inflight = self.inflight
         for out in outputs:
             if out.finished:
