@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before restarting a process that died
 HEALTHY_AFTER_S = 30.0  # serving this long resets a process's backoff
+PARENT_CHECK_S = 0.5  # how often a process checks that its parent still runs
 
 
 def reuse_port_supported() -> bool:
@@ -57,22 +58,28 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return bind_socket(host, port, reuse_port=True)
 
 
-def _serve_one(host: str, port: int, uvicorn_kwargs: dict[str, Any], ready) -> None:
-    """One API process: its own listening socket, then uvicorn until SIGINT/SIGTERM; ``ready`` is set once
-    the app has started (lifespan done, socket listening)."""
+def _serve_one(host: str, port: int, uvicorn_kwargs: dict[str, Any], ready, parent: int) -> None:
+    """One API process: its own listening socket, then uvicorn until SIGINT/SIGTERM or until its parent is
+    gone (killed outright, it cannot stop us: we would keep the port); ``ready`` is set once the app has
+    started (lifespan done, socket listening)."""
     import uvicorn
 
     sock = bind_socket(host, port, reuse_port=True)
     config = uvicorn.Config("api.main:create_app", factory=True, host=host, port=port, **uvicorn_kwargs)
     server = uvicorn.Server(config)
 
-    def report_ready() -> None:
+    def watch() -> None:
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         if server.started:
             ready.set()
+        while not server.should_exit:
+            if os.getppid() != parent:
+                log.warning("api parent process gone; stopping", extra={"parent": parent})
+                server.should_exit = True  # a graceful stop: requests in flight finish
+            time.sleep(PARENT_CHECK_S)
 
-    threading.Thread(target=report_ready, daemon=True).start()
+    threading.Thread(target=watch, daemon=True).start()
     server.run(sockets=[sock])
 
 
@@ -88,7 +95,7 @@ class _Child:
         # spawn, not fork: the parent may hold threads and sockets that a forked child should not inherit
         context = multiprocessing.get_context("spawn")
         self.ready = context.Event()
-        self.process = context.Process(target=_serve_one, args=(*self.args, self.ready), daemon=False)
+        self.process = context.Process(target=_serve_one, args=(*self.args, self.ready, os.getpid()), daemon=False)
         self.process.start()
         self.started = time.monotonic()
         log.info("api process started", extra={"pid": self.process.pid})

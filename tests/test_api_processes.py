@@ -108,3 +108,26 @@ def test_a_port_in_use_is_a_clear_error(redis_url):
         taken.close()
     assert done.returncode == 1, done.stderr
     assert "cannot listen on 127.0.0.1:" in done.stderr
+
+
+def test_processes_stop_when_their_parent_is_killed(two_process_api):
+    """SIGKILL to the parent (it cannot stop them): its processes notice and stop, freeing the port."""
+    api = two_process_api
+    children = list(serving_processes(api))
+    api.proc.kill()
+    api.proc.wait(timeout=10)
+    for pid in children:
+        wait_for(lambda: not _alive(pid), 30, 0.1, f"orphaned api process {pid} gone")
+    free = socket.socket()
+    free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    free.bind(("127.0.0.1", api.port))  # nothing listens there any more
+    free.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
