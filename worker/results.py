@@ -17,6 +17,7 @@ class InFlight:
     entry_id: bytes
     received: float = field(default_factory=time.time)
     first_token: float | None = None
+    last_token: float | None = None  # when the engine ended its last choice (the step's time, not the writer's)
     choices: list[Choice] = field(init=False)
     text_parts: list[list[str]] = field(init=False)
     num_prompt_tokens: int = 0
@@ -65,13 +66,15 @@ class InFlight:
             choice.prompt_logprobs = logprob_dicts(out.prompt_logprobs)
         if out.finished:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+            self.last_token = now
             return True
         return position >= self.suppress_tokens
 
     def result(self, worker: str) -> Result:
         for choice, parts in zip(self.choices, self.text_parts):
             choice.text = "".join(parts)
-        now = time.time()
+        # finished when the engine ended it: the writer folds a step's outputs later (after the next launch)
+        now = self.last_token if self.is_done and self.last_token is not None else time.time()
         req = self.request
         return Result(
             id=req.id, status=STATUS_COMPLETED, endpoint=req.endpoint, model=req.model, tenant=req.tenant,
