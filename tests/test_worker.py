@@ -408,3 +408,23 @@ def test_held_outputs_are_queued_before_anything_submitted_after_them(redis_url)
     assert not writer.flush(timeout_s=0.01)  # no writer thread runs here: flushing only queues
     queued = [writer._outbox.get_nowait() for _ in range(writer._outbox.qsize())]
     assert queued == [first, second, third, fourth]
+
+
+def test_loop_stats_lines_add_up_to_the_run(r, redis_url, tiny_weights, caplog):
+    """The periodic "loop stats" lines (and the last one at shutdown) count every generated token, prompt token
+    and started request of the run exactly once, with the step thread's time by phase."""
+    import logging
+    rids = [f"stats-{i}" for i in range(6)]
+    for i, rid in enumerate(rids):
+        submit(r, rid, prompt(i), max_tokens=5 + i, temperature=0.0)
+    with caplog.at_level(logging.INFO, logger="worker.loop_stats"):
+        InProcessWorker(tiny_weights, redis_url, log_stats_interval_s=0.05).worker.run(burst=True)
+    lines = [rec.__dict__ for rec in caplog.records if rec.getMessage() == "loop stats"]
+    assert len(lines) >= 2
+    results = wait_results(r, rids, timeout_s=5)
+    assert sum(x["tokens"] for x in lines) == sum(len(res.choices[0].token_ids) for res in results.values())
+    assert sum(x["requests"] for x in lines) == len(rids)
+    assert sum(x["prompt_tokens"] for x in lines) == sum(res.prompt_tokens for res in results.values())
+    assert sum(x["steps"] for x in lines) > 0 and any(x["wait_ms"] > 0 or x["launch_ms"] > 0 for x in lines)
+    assert all({"running", "waiting", "free_slots", "inbox", "writer_backlog"} <= x.keys() for x in lines)
+    assert lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0

@@ -134,7 +134,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     device = config.resolved_device()
     cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
-                       interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover)
+                       interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover,
+                       log_stats_interval_s=args.log_stats_interval)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-handover", choices=HANDOVERS, default="after-launch",
                    help="when a step's outputs go to the writer thread: once the next step is launched (default), "
                         "or at once (step-end: the A/B)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between 'loop stats' log lines (steps, step time by phase, tok/s, queues; 0: none)")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--check", action="store_true",
                    help="exit 0 if the worker's heartbeat (--name; without it: any worker on this host) is fresh")

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import redis
 
 from engine.engine import LLMEngine
+from engine.phases import PhaseClock
 from engine.sequence import Request
 from worker import contract as c
+from worker.loop_stats import LoopStats
 from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
 from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
@@ -52,6 +54,7 @@ class WorkerConfig:
     # when a step's outputs go to the writer thread: "after-launch" (once the next step is launched: the
     # writer's Python runs while this thread waits for the device) or "step-end" (at once; for A/B runs)
     writer_handover: str = "after-launch"
+    log_stats_interval_s: float = 10.0  # the "loop stats" log line (worker.loop_stats); 0: never
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -87,6 +90,8 @@ class Worker:
         self._tokens_per_s = 0.0
         self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
         self._hold_outputs = cfg.writer_handover == "after-launch"
+        self.stats = None if engine is None else LoopStats(  # engines without a phase clock report no phases
+            cfg.name, cfg.log_stats_interval_s, getattr(engine, "clock", None) or PhaseClock(), self._gauges)
         self._under_test: str | None = None
         self.metrics = None  # worker.metrics.WorkerMetrics when --metrics-port is given
 
@@ -120,6 +125,8 @@ class Worker:
                                           "slots": self.engine.num_slots, "burst": burst})
         try:
             while not self.stop_now:
+                if self.stats is not None:
+                    self.stats.maybe_report()
                 if self.draining and self._drain_step_done():
                     break
                 self._take_incoming()
@@ -146,7 +153,15 @@ class Worker:
             return True
         return False
 
+    def _gauges(self) -> dict[str, int]:
+        engine = self.engine
+        return {"running": engine.num_running, "waiting": engine.num_unfinished - engine.num_running,
+                "free_slots": engine.num_free_slots, "inbox": self.reader.inbox.qsize(),
+                "writer_backlog": self.writer.backlog}
+
     def _shutdown(self) -> None:
+        if self.stats is not None and self.stats.interval_s > 0:
+            self.stats.report()  # the last stretch, so that the lines add up to the whole run
         self.reader.reading = False
         self.writer.flush(timeout_s=10.0)
         self._release_unfinished()
@@ -275,6 +290,8 @@ class Worker:
                               invalid=True)
             return False
         self.inflight[req.id] = flight
+        if self.stats is not None:
+            self.stats.on_started(len(req.prompt_token_ids))
         key = c.request_key(req.id)
         ops: list[Op] = [Start(flight), Command("HSET", key, "status", c.STATUS_RUNNING, "worker", self.cfg.name,
                                                   "started", time.time()),
@@ -341,6 +358,8 @@ class Worker:
         dt = time.perf_counter() - t0
         if outputs and dt > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)
+        if self.stats is not None:
+            self.stats.on_step(dt, sum(len(out.token_ids) for out in outputs))
         if self.metrics is not None:
             self.metrics.on_step(dt, len(outputs), self.engine.num_running, self.engine.num_free_slots)
 

@@ -214,6 +214,11 @@ class Writer:
             for ops in held:
                 self._queue(ops)
 
+    @property
+    def backlog(self) -> int:
+        """Steps' operations queued or held, not yet written."""
+        return self._unflushed + len(self._held)
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         self.release()
         with self._flushed:
