@@ -43,9 +43,21 @@ class LoopStats:
         self.prompt_tokens += prompt_tokens
 
     def maybe_report(self, now: float | None = None) -> None:
-        """Log a line once ``interval_s`` has passed since the last (never with interval 0)."""
+        """Log a line once ``interval_s`` has passed since the last (never with interval 0); an idle stretch
+        (no step, nothing started, nothing queued) logs nothing and starts a new one."""
         if self.interval_s > 0 and (now or time.monotonic()) - self._start >= self.interval_s:
-            self.report()
+            if self.clock.steps == self._steps and not self.requests and not self._busy():
+                self._mark(time.monotonic())
+            else:
+                self.report()
+
+    def _busy(self) -> bool:
+        g = self.gauges()
+        return any(g.get(k) for k in ("running", "waiting", "inbox", "writer_backlog"))
+
+    def _mark(self, now: float) -> None:
+        self._start, self._phases, self._steps = now, dict(self.clock.seconds), self.clock.steps
+        self._reset_counts()
 
     def report(self) -> dict:
         """Log the line now, covering the time since the last one; the values logged."""
@@ -62,6 +74,5 @@ class LoopStats:
             line[f"{phase}_ms"] = round(1e3 * spent / max(1, steps), 3)
         line.update(self.gauges())
         log.info("loop stats", extra=line)
-        self._start, self._phases, self._steps = now, dict(self.clock.seconds), self.clock.steps
-        self._reset_counts()
+        self._mark(now)
         return line
