@@ -87,9 +87,10 @@ class ModelRunner:
         """Fresh state and sampler settings for sequences that just got a slot."""
         if not seqs:
             return
-        self.pool.reset(to_device([s.slot for s in seqs], torch.long, self.device))
+        slots = to_device([s.slot for s in seqs], torch.long, self.device)
+        self.pool.reset(slots)
         self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
-                                 self.eos_token_ids)
+                                 self.eos_token_ids, slot_index=slots)
 
     def warm_up(self, max_prefill_tokens: int) -> None:
         """Everything a step can compile, autotune or capture, done now: each decode graph bucket, each prefill

@@ -437,17 +437,19 @@ class Sampler:
         """Admit a sequence into ``slot``: store its params, zero its counters."""
         self.reset_slots([Admission(slot, params, seed, prompt_token_ids)], eos_token_ids)
 
-    def reset_slots(self, admissions: Sequence[Admission], eos_token_ids: Sequence[int] = (0,)) -> None:
+    def reset_slots(self, admissions: Sequence[Admission], eos_token_ids: Sequence[int] = (0,),
+                    slot_index: torch.Tensor | None = None) -> None:
         """Admit sequences into their slots: every table written by one copy for all of them (on CUDA a
         per-sequence write was ~8 small launches and 2 pinned copies: 64 prompts admitted in a step queued
-        ~500 launches behind the running step). Checks everything before writing anything."""
+        ~500 launches behind the running step). Checks everything before writing anything. ``slot_index``:
+        the admissions' slots already on the device (the runner's, shared with the state reset)."""
         rows = [self._admission_row(a, eos_token_ids) for a in admissions]
         if not rows:
             return
         slots = [a.slot for a in admissions]
         if len(set(slots)) != len(slots):
             raise ValueError(f"a slot was admitted twice in one call: {slots}")
-        n, idx = len(rows), to_device(slots, torch.long, self.device)
+        n, idx = len(rows), slot_index if slot_index is not None else to_device(slots, torch.long, self.device)
         self._fparams.index_copy_(0, idx, to_device([v for r in rows for v in r.fparams], torch.float32,
                                                     self.device).view(n, NUM_F))
         self._iparams.index_copy_(0, idx, to_device([v for r in rows for v in r.iparams], torch.int64,
