@@ -346,7 +346,10 @@ class Worker:
         # launched (Writer.hold); here only what the loop itself needs: which requests the engine finished.
         if outputs:
             ops = [Outputs(outputs, time.time())]
-            self.writer.hold(ops) if self._hold_outputs else self.writer.submit(ops)
+            if self._hold_outputs:
+                self.writer.hold(ops)
+            else:
+                self.writer.submit(ops)
         inflight = self.inflight
         for out in outputs:
             if out.finished:
