@@ -208,6 +208,13 @@ class Features:
                    max_logprobs=max((p.logprobs or 0 for p, _ in live), default=0),
                    mask=any(p.structured is not None for p, _ in live))
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy and nothing else asked: the token is the row's argmax (the lowest id among equal
+        maxima, as the kernel picks)."""
+        return self.greedy and not (self.sampled or self.bias or self.ban or self.penalties or self.logprobs
+                                    or self.mask)
+
     @classmethod
     def everything(cls, max_logprobs: int = 0) -> Features:
         return cls(True, True, True, True, True, True, True, True, True, max_logprobs, True)
@@ -553,6 +560,10 @@ class Sampler:
         """One token per row of ``logits`` [B, V] for ``slots`` [B], left on the device; records the tokens
         (counters and penalty counts, on the device). On CUDA: launches only, no transfer, no sync."""
         f = self._features()
+        if f.plain_greedy:  # a plain reduction (the kernel's greedy rows also gather the filters' statistics)
+            tokens = logits.argmax(dim=-1)
+            self._record(slots, tokens)
+            return DeviceSample(tokens)
         if self._kernel is not None:
             from engine.cuda.sampling import sample_rows
             return sample_rows(logits, slots, self.tables, f, self._kernel, record=True)

@@ -535,3 +535,23 @@ def test_batched_admission_on_cuda_writes_what_the_cpu_path_writes():
         tables.append([None if t is None else t.cpu() for t in sampler.tables])
     for cpu, cuda in zip(*tables):
         assert (cpu is None and cuda is None) or torch.equal(cpu, cuda)
+
+
+def test_plain_greedy_argmax_path_equals_the_kernel():
+    """An all-greedy step on CUDA takes ``argmax``: the same tokens as the kernel's greedy rows (ties included)
+    and the same counters."""
+    from engine.cuda.sampling import sample_rows
+    from engine.params import SamplingParams
+    from engine.sampler import Features, Sampler
+    fast, kernel = Sampler(64, 65536, "cuda"), Sampler(64, 65536, "cuda")
+    for s in (fast, kernel):
+        for slot in range(64):
+            s.reset_slot(slot, SamplingParams(temperature=0.0), seed=slot, prompt_token_ids=[1])
+    assert fast._features().plain_greedy
+    logits = torch.randn(48, 65536, device=DEVICE)
+    logits[3, 100] = logits[3, 9000] = 50.0  # a tie
+    slots = torch.randperm(64, device=DEVICE)[:48]
+    got = fast.sample_device(logits, slots).tokens
+    want = sample_rows(logits, slots, kernel.tables, Features(greedy=True), kernel._kernel, record=True).tokens
+    assert torch.equal(got, want) and int(got[3]) == 100
+    assert torch.equal(fast._generated, kernel._generated)

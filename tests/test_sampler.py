@@ -642,3 +642,30 @@ def test_sample_device_leaves_results_on_the_device_and_records() -> None:
         assert host == twin.sample(logits, slots_of(2, 0))
         assert math.isnan(host.logprobs[0]) and host.top_logprobs[0] == [] and len(host.top_logprobs[1]) == 3
     assert sampler._generated.tolist() == [3, 0, 3] and int(sampler.output_counts[2].sum()) == 3
+
+
+def test_plain_greedy_batches_take_the_argmax_path_and_still_record() -> None:
+    """Every occupied slot greedy with nothing else: the argmax path (ties to the lowest id, as the kernel);
+    counters advance, and penalty counts too once a penalty request made them exist; one sampled, biased or
+    logprobs slot sends the step back to the full path."""
+    from engine.sampler import Features
+    sampler = Sampler(4, 64)
+    for slot in range(3):
+        sampler.reset_slot(slot, SamplingParams(temperature=0.0), seed=slot, prompt_token_ids=[1])
+    assert sampler._features().plain_greedy
+    logits = random_logits(3, 64, seed=1)
+    logits[1, 7] = logits[1, 40] = logits[1].max() + 1.0  # a tie: the lower id wins
+    out = sampler.sample_device(logits, slots_of(0, 1, 2))
+    assert out.tokens.tolist() == [int(logits[0].argmax()), 7, int(logits[2].argmax())] and out.logprobs is None
+    assert sampler._generated.tolist() == [1, 1, 1, 0]
+    for extra in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                  SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, presence_penalty=1.0)):
+        sampler.reset_slot(3, extra, seed=9, prompt_token_ids=[1])
+        assert not sampler._features().plain_greedy, extra
+        sampler.release_slot(3)
+    assert sampler._features().plain_greedy and sampler.output_counts is not None  # the penalty slot made them
+    before = sampler.output_counts.clone()
+    out = sampler.sample_device(logits, slots_of(0, 1, 2))
+    added = sampler.output_counts - before
+    assert [int(added[s, t]) for s, t in zip((0, 1, 2), out.tokens.tolist())] == [1, 1, 1] and int(added.sum()) == 3
+    assert Features(greedy=True).plain_greedy and not Features(greedy=True, mask=True).plain_greedy
