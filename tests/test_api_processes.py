@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from api.processes import reuse_port_supported
-from worker import procs
 from tests.queue_helpers import REPO
 from tests.test_api_support import ApiServer, flushed, wait_for
+from worker import procs
 
 pytestmark = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux's")
 
@@ -117,17 +117,8 @@ def test_processes_stop_when_their_parent_is_killed(two_process_api):
     api.proc.kill()
     api.proc.wait(timeout=10)
     for pid in children:
-        wait_for(lambda: not _alive(pid), 30, 0.1, f"orphaned api process {pid} gone")
+        wait_for(lambda: not procs.is_alive(pid), 30, 0.1, f"orphaned api process {pid} gone")
     free = socket.socket()
     free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     free.bind(("127.0.0.1", api.port))  # nothing listens there any more
     free.close()
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by init, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

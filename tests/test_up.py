@@ -13,16 +13,9 @@ import urllib.request
 import pytest
 
 from tests.queue_helpers import ONE_THREAD, REPO
-from worker.procs import descendants
+from worker.procs import descendants, is_alive
 from worker.redis_server import free_port
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -72,7 +65,7 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "gaggle is up" in out and "RANDOM weights" in out
     time.sleep(0.5)
-    assert not [pid for pid in tree if alive(pid)], "processes of the tree outlived gaggle up"
+    assert not [pid for pid in tree if is_alive(pid)], "processes of the tree outlived gaggle up"
 
 
 def start_up(data_dir, port: int, *extra: str) -> subprocess.Popen:

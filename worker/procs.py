@@ -11,6 +11,14 @@ def _stat_fields(pid: int) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()
 
 
+def is_alive(pid: int) -> bool:
+    """Running: a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
