@@ -350,8 +350,9 @@ class Worker:
                 self.writer.hold(ops)
             else:
                 self.writer.submit(ops)
-        inflight = self.inflight
+        inflight, tokens = self.inflight, 0
         for out in outputs:
+            tokens += len(out.token_ids)
             if out.finished:
                 flight = inflight.get(out.request_id)
                 if flight is not None:
@@ -362,7 +363,7 @@ class Worker:
         if outputs and dt > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)
         if self.stats is not None:
-            self.stats.on_step(dt, sum(len(out.token_ids) for out in outputs))
+            self.stats.on_step(dt, tokens)
         if self.metrics is not None:
             self.metrics.on_step(dt, len(outputs), self.engine.num_running, self.engine.num_free_slots)
 
