@@ -7,7 +7,8 @@ between them and accepted 2,051 requests/s. With a socket a process the kernel s
 the processes by a hash of their addresses.
 
 The parent binds the port first (nothing else may listen there: it checks with a plain bind), starts the
-processes, restarts one that dies, and on SIGINT/SIGTERM stops them all, waiting for their graceful shutdown.
+processes, restarts one that dies, replaces them one by one on SIGHUP (no moment without a process serving), and
+on SIGINT/SIGTERM stops them all, waiting for their graceful shutdown.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before restarting a process that died
 HEALTHY_AFTER_S = 30.0  # serving this long resets a process's backoff
 PARENT_CHECK_S = 0.5  # how often a process checks that its parent still runs
+STARTUP_TIMEOUT_S = 120.0  # SIGHUP: how long a replacement process may take to serve
 
 
 def reuse_port_supported() -> bool:
@@ -64,15 +66,17 @@ def _serve_one(host: str, port: int, uvicorn_kwargs: dict[str, Any], ready, pare
     started (lifespan done, socket listening)."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # listening, the app started: said at once (a poll left a window for a kill)
+                ready.set()
+
     sock = bind_socket(host, port, reuse_port=True)
     config = uvicorn.Config("api.main:create_app", factory=True, host=host, port=port, **uvicorn_kwargs)
-    server = uvicorn.Server(config)
+    server = Server(config)
 
     def watch() -> None:
-        while not server.started and not server.should_exit:
-            time.sleep(0.05)
-        if server.started:
-            ready.set()
         while not server.should_exit:
             if os.getppid() != parent:
                 log.warning("api parent process gone; stopping", extra={"parent": parent})
@@ -107,55 +111,101 @@ class _Child:
 
 def serve_processes(host: str, port: int, processes: int, shutdown_timeout_s: float,
                     uvicorn_kwargs: dict[str, Any]) -> int:
-    """Run ``processes`` API processes on host:port until SIGINT/SIGTERM; the exit status (3: a process failed
-    to start)."""
+    """Run ``processes`` API processes on host:port until SIGINT/SIGTERM (SIGHUP: replace them one by one, each
+    new one serving before the old one stops — settings and the API keys file are read again); the exit status
+    (3: a process failed to start)."""
     try:
         reservation = reserve_port(host, port)
     except OSError as e:
         print(f"gaggle: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame) -> None:
-        stop["signal"] = signum
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    children = [_Child(host, port, uvicorn_kwargs) for _ in range(processes)]
-    status = 0
+    supervisor = _Supervisor(host, port, processes, shutdown_timeout_s, uvicorn_kwargs)
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, supervisor.on_signal) for s in handled}
     try:
-        for child in children:
-            child.start()
-        log.info("api listening", extra={"host": host, "port": port, "processes": processes})
-        pending: dict[int, float] = {}  # child index -> when to restart it
-        while stop["signal"] is None:
-            time.sleep(0.2)
-            now = time.monotonic()
-            for i, child in enumerate(children):
-                if i in pending:
-                    if now >= pending[i]:
-                        del pending[i]
-                        child.start()
-                    continue
-                if child.process.is_alive():
-                    if now - child.started > HEALTHY_AFTER_S:
-                        child.failures = 0
-                    continue
-                code = child.process.exitcode
-                if not child.ready.is_set() and child.failures == 0:
-                    # never started (bad settings, Redis URL, port): every restart would fail the same way
-                    log.error("api process failed to start", extra={"pid": child.process.pid, "exitcode": code})
-                    stop["signal"], status = signal.SIGTERM, 3
-                    break
-                child.failures += 1
-                pending[i] = now + child.restart_delay()
-                log.warning("api process died; restarting", extra={"pid": child.process.pid, "exitcode": code,
-                                                                    "restart_in_s": round(pending[i] - now, 1)})
+        return supervisor.run()
     finally:
-        _stop_all(children, shutdown_timeout_s)
+        _stop_all(supervisor.children, shutdown_timeout_s)
         reservation.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return status
+
+
+class _Supervisor:
+    def __init__(self, host: str, port: int, processes: int, shutdown_timeout_s: float,
+                 uvicorn_kwargs: dict[str, Any]) -> None:
+        self.new_child = lambda: _Child(host, port, uvicorn_kwargs)
+        self.children = [self.new_child() for _ in range(processes)]
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.stopping = False
+        self.reload = False
+        self.status = 0
+        self.pending: dict[int, float] = {}  # child index -> when to restart it
+        self.port = port
+
+    def on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGHUP:
+            self.reload = True
+        else:
+            self.stopping = True
+
+    def run(self) -> int:
+        for child in self.children:
+            child.start()
+        log.info("api listening", extra={"port": self.port, "processes": len(self.children)})
+        while not self.stopping:
+            time.sleep(0.2)
+            if self.reload:
+                self.reload = False
+                self._replace_all()
+            self._check(time.monotonic())
+        return self.status
+
+    def _check(self, now: float) -> None:
+        """Restart a process that died (after a backoff); stop everything if one never started."""
+        for i, child in enumerate(self.children):
+            if i in self.pending:
+                if now >= self.pending[i]:
+                    del self.pending[i]
+                    child.start()
+                continue
+            if child.process.is_alive():
+                if now - child.started > HEALTHY_AFTER_S:
+                    child.failures = 0
+                continue
+            code = child.process.exitcode
+            if not child.ready.is_set() and child.failures == 0 and code is not None and code >= 0:
+                # exited before serving (bad settings, Redis URL, port): every restart would fail the same way;
+                # one killed by a signal (the OOM killer, an operator) is restarted like any other
+                log.error("api process failed to start", extra={"pid": child.process.pid, "exitcode": code})
+                self.stopping, self.status = True, 3
+                return
+            child.failures += 1
+            self.pending[i] = now + child.restart_delay()
+            log.warning("api process died; restarting", extra={"pid": child.process.pid, "exitcode": code,
+                                                                "restart_in_s": round(self.pending[i] - now, 1)})
+
+    def _replace_all(self) -> None:
+        """SIGHUP: each process in turn replaced by a new one, which serves beside it (its own socket) before
+        the old one stops gracefully; a new one that does not start leaves the old one serving."""
+        log.info("api processes restarting one by one", extra={"processes": len(self.children)})
+        for i, old in enumerate(self.children):
+            new = self.new_child()
+            new.start()
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while not new.ready.is_set() and new.process.is_alive() and time.monotonic() < deadline \
+                    and not self.stopping:
+                time.sleep(0.05)
+            if not new.ready.is_set():
+                if not self.stopping:
+                    log.error("a new api process did not start; keeping the old one",
+                              extra={"pid": new.process.pid, "old_pid": old.process.pid})
+                _stop_all([new], 0.0)
+                return
+            self.pending.pop(i, None)
+            self.children[i] = new
+            _stop_all([old], self.shutdown_timeout_s)
+            log.info("api process replaced", extra={"pid": new.process.pid, "old_pid": old.process.pid})
 
 
 def _stop_all(children: list[_Child], shutdown_timeout_s: float) -> None:

@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -16,6 +18,7 @@ from api.processes import reuse_port_supported
 from tests.queue_helpers import REPO
 from tests.test_api_support import ApiServer, flushed, wait_for
 from worker import procs
+from worker.redis_server import free_port
 
 pytestmark = pytest.mark.skipif(not reuse_port_supported(), reason="SO_REUSEPORT balancing is Linux's")
 
@@ -78,12 +81,14 @@ def test_a_killed_process_is_replaced_and_the_port_keeps_answering(two_process_a
     api = two_process_api
     victim = sorted(serving_processes(api))[0]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: len(serving_processes(api)) == 2 and victim not in serving_processes(api), 60, 0.1,
-             "a replacement process listening")
+    try:
+        wait_for(lambda: len(serving_processes(api)) == 2 and victim not in serving_processes(api), 60, 0.1,
+                 "a replacement process listening")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; serving {serving_processes(api)}; api log:\n{api.log(6000)}") from None
     statuses, _ = burst(api.url, 16, 2)
-    assert statuses == {202: 32}
-    assert api.proc.poll() is None
-    assert "api process died; restarting" in api.log(20000)
+    assert statuses == {202: 32} and api.proc.poll() is None, f"{statuses}; api log:\n{api.log(6000)}"
+    assert "api process died; restarting" in api.log(50000)
 
 
 def test_sigterm_stops_every_process(two_process_api):
@@ -122,3 +127,50 @@ def test_processes_stop_when_their_parent_is_killed(two_process_api):
     free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     free.bind(("127.0.0.1", api.port))  # nothing listens there any more
     free.close()
+
+
+def test_sighup_replaces_every_process_while_the_port_keeps_answering(two_process_api):
+    """SIGHUP: each process replaced by a new one that serves before the old one stops. Requests sent all along
+    are answered (a connection refused or reset is retried once, as the openai SDK retries connection errors)."""
+    import httpx
+    api = two_process_api
+    old = set(serving_processes(api))
+    answers, stop = [], threading.Event()
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            for attempt in range(2):
+                try:
+                    with httpx.Client(timeout=10) as http:  # a new connection each time: any process may get it
+                        answers.append(http.post(api.url + "/v1/requests", json={
+                            "endpoint": "completions", "prompt": "goose", "max_tokens": 2}).status_code)
+                    break
+                except httpx.TransportError:
+                    if attempt:
+                        answers.append("failed")
+            time.sleep(0.02)
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        time.sleep(0.5)
+        api.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: (now := set(serving_processes(api))) and len(now) == 2 and not now & old, 90, 0.1,
+                 "two new processes serving, the old ones gone")
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        asker.join()
+    assert api.proc.poll() is None
+    assert len(answers) > 20 and set(answers) == {202}, answers
+    assert api.log(50000).count("api process replaced") == 2
+
+
+def test_processes_that_cannot_start_stop_the_api_with_status_3(redis_url):
+    """A setting every process fails on at startup (an API keys file that is not there): exit 3, not restarts
+    forever."""
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", str(free_port()), "--workers", "2",
+                           "--redis-url", redis_url, "--api-keys-file", "/nonexistent/keys.txt"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "api process failed to start" in done.stderr
