@@ -49,7 +49,6 @@ def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
@@ -112,8 +111,8 @@ class _Child:
 def serve_processes(host: str, port: int, processes: int, shutdown_timeout_s: float,
                     uvicorn_kwargs: dict[str, Any]) -> int:
     """Run ``processes`` API processes on host:port until SIGINT/SIGTERM (SIGHUP: replace them one by one, each
-    new one serving before the old one stops — settings and the API keys file are read again); the exit status
-    (3: a process failed to start)."""
+    new one serving before the old one stops — the API keys file is read again, the flags stay as started); the
+    exit status (3: a process failed to start)."""
     try:
         reservation = reserve_port(host, port)
     except OSError as e:
