@@ -44,11 +44,13 @@ def test_sampling_kernel_compiles_for_hopper():
                 "scratch": "fp32", "band_v": "fp32", "band_i": "i32", "out_token": "i64", "out_k": "i64",
                 "out_lp": "fp32", "out_top_id": "i64", "out_top_lp": "fp32"}
     names = list(inspect.signature(_sample_kernel.fn).parameters)
-    signature = {n: f"*{pointers[n]}" if n in pointers else "constexpr" if n in ("CAP", "BLOCK") else "i32"
+    stages = {"FILTER": True, "LOGPROBS": True, "PREPARE": True}  # the variant with every stage
+    signature = {n: f"*{pointers[n]}" if n in pointers else "constexpr" if n in ("CAP", "BLOCK", *stages) else "i32"
                  for n in names}
     aligned = [i for i, n in enumerate(names) if n in pointers or n in ("V", "stride")]
     cfg = config_for(65536)
-    src = ASTSource(fn=_sample_kernel, signature=signature, constexprs={"CAP": cfg.cap, "BLOCK": cfg.block},
+    src = ASTSource(fn=_sample_kernel, signature=signature,
+                    constexprs={"CAP": cfg.cap, "BLOCK": cfg.block, **stages},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     try:
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps}).asm["ptx"]

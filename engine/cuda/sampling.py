@@ -2,8 +2,8 @@
 
 Same semantics as ``engine.sampler`` (its module doc), same counter-hash noise, same token: the exponential
 race's winner ``argmax(s_i - log E_i)`` over the kept tokens ``{i : s_i >= tau}``; the kernel finds that set
-without sorting the vocabulary. One program per SM loops over the rows, a row at a time, so a row's later
-passes find it in L2 (132 rows × 256 KB in flight: 34 MB of the H200's 50 MB). Per row:
+without sorting the vocabulary. A persistent grid of small programs (``config_for``) loops over the rows, a row
+at a time. Per row:
 
 1. rows with logit_bias, an active min_tokens ban or penalties: the processed row times 1 / temperature goes
    to the program's scratch row (penalties read the slot's dense counts; the sparse bias and ban entries are
@@ -93,9 +93,11 @@ class KernelConfig:
 def config_for(vocab_size: int) -> KernelConfig:
     if vocab_size <= 8192:  # tests and small models: several chunks and a small band, to exercise both
         return KernelConfig(block=256, cap=64, num_warps=4)
-    # 16 warps of 128 registers fill an SM's register file (8 warps took 170 a thread: one program an SM
-    # either way); a chunk is 4 values a thread, cap 1,024 keeps the band's sort a few microseconds
-    return KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
+    # small programs, 8 an SM: a row's chunk loop waits on its loads and barriers, and programs that wait
+    # independently hide each other's waits (session 11 on the H200, against block 2,048 / 16 warps / 1 an SM:
+    # T=1 0.36 -> 0.31 ms, top_p 0.9 1.02 -> 0.88, top_k 50 0.95 -> 0.72, logprobs 0.79 -> 0.51 at batch 1,024);
+    # cap 1,024 keeps the band's sort a few microseconds
+    return KernelConfig(block=1024, cap=1024, num_warps=4, programs_per_sm=8)
 
 
 # ----------------------------------------------------------------------------------- noise
@@ -267,7 +269,7 @@ def _raw_lse_chunk(x, m, z):
 
 
 @triton.jit
-def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, BLOCK: tl.constexpr):
+def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, LOGPROBS: tl.constexpr, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``), the raw
     log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``). Accumulated lane by lane and reduced once:
     a reduction inside the loop is a block-wide barrier per chunk (only the race's skip test has one)."""
@@ -295,7 +297,7 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, BLOCK: tl.constexp
         min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
             w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
-        if lp_k >= 0:
+        if LOGPROBS and lp_k >= 0:
             x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
             mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
             if lp_k > 0:
@@ -629,9 +631,13 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
                    bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
                    masks, mask_w, has_masks,
                    scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
-                   top_w, CAP: tl.constexpr, BLOCK: tl.constexpr):
+                   top_w, FILTER: tl.constexpr, LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, CAP: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """Persistent: program p samples rows p, p + P, ... with its own scratch row and band buffer; with
-    ``record`` it also advances the slot's counter and its token's count (a step's slots are distinct)."""
+    ``record`` it also advances the slot's counter and its token's count (a step's slots are distinct).
+    FILTER, LOGPROBS and PREPARE compile in the stages the step's rows may use (top_k / top_p / min_p, logprobs,
+    the processed row): a stage left out is one no row takes, and a row's arithmetic is the same in every
+    variant that has its stages."""
     pid = tl.program_id(0)
     scratch = scratch + pid.to(tl.int64) * V
     band_v = band_v + pid * CAP
@@ -653,7 +659,7 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         masked = (has_masks != 0) & (tl.load(ip + I_MASKED) != 0)
         src = x_row
         scale = inv_t
-        if (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0) | masked):
+        if PREPARE and (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0) | masked):
             _prepare_row(x_row, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V, in_prompt + slot * V,
                          bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
                          masked, masks + slot * mask_w, BLOCK)
@@ -666,9 +672,9 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         lp_k = tl.load(ip + I_LOGPROBS).to(tl.int32)
         row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
         m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i = _stats_pass(
-            src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, BLOCK)
+            src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, LOGPROBS, BLOCK)
         if sampled:
-            if (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
+            if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
                 token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
                                         log_min_p, band_v, band_i, CAP, BLOCK)
             else:
@@ -679,7 +685,7 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
             if has_penalty_state != 0:
                 tl.atomic_add(counts + slot * V + token, 1)
         tl.store(out_k + r, lp_k.to(tl.int64))
-        if lp_k >= 0:
+        if LOGPROBS and lp_k >= 0:
             tl.store(out_lp + r, tl.load(x_row + token) - lse)
             _write_top(top_v, top_i, lp_k, lse, out_top_id + r * top_w, out_top_lp + r * top_w, top_w)
 
@@ -743,7 +749,8 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
-            max(top_w, 1), CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
+            max(top_w, 1), FILTER=f.min_p or f.top_p or f.top_k, LOGPROBS=f.logprobs, PREPARE=prepare,
+            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
@@ -756,10 +763,17 @@ def sample_rows_ref(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f:
 
 
 def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int]) -> None:
-    """Compile the kernel and launch it once per batch size (outputs dropped, counters untouched). Its one
-    variant serves every parameter mix: what differs per row is branched on at run time."""
+    """Compile every variant of the kernel (``variant_features``) and launch each once per batch size (outputs
+    dropped, counters untouched): what differs per row within a variant is branched on at run time."""
     v = ws.vocab_size
     for b in batch_sizes:
         logits = torch.zeros(b, v, dtype=torch.float32, device=ws.device)
         slots = torch.arange(b, device=ws.device) % t.fparams.shape[0]
-        sample_rows(logits, slots, t, Features(logprobs=True, max_logprobs=1), ws)
+        for f in variant_features():
+            sample_rows(logits, slots, t, f, ws)
+
+
+def variant_features() -> list[Features]:
+    """One Features per compiled variant: with or without the filters, logprobs and the processed row."""
+    return [Features(sampled=True, top_p=filtered, logprobs=logprobs, max_logprobs=int(logprobs), bias=prepare)
+            for filtered in (False, True) for logprobs in (False, True) for prepare in (False, True)]
