@@ -113,6 +113,7 @@ class ModelRunner:
         slots = list(range(min(8, self.num_slots)))
         for chunks in ([[1]], [[1] * 15], [[1] * 16], [[1] * 7, [2] * 9, [3] * 33],
                        [[1] * max(1, max_prefill_tokens // len(slots))] * len(slots)):
+            chunks = chunks[:len(slots)]  # never more sequences than the engine has slots (one slot: one chunk)
             self.model.prefill_with_scores(chunks, slots[:len(chunks)], {}, eager=True)
         self.pool.reset(to_device(slots, torch.long, self.device))
         torch.cuda.synchronize(self.device)

@@ -128,7 +128,8 @@ def model_rates(engine, batch: int, prompt_len: int) -> tuple[float, float]:
     slots = torch.arange(batch, device="cuda")
     tokens = torch.randint(1, vocab, (batch,), device="cuda")
     decode_s = cuda_time_ms(lambda: model.decode(tokens, slots)) / 1e3
-    chunks = [prompt_of(i, prompt_len, vocab) for i in range(max(1, min(64, 32768 // prompt_len)))]
+    n = max(1, min(64, 32768 // prompt_len, engine.num_slots))  # packed as the loop can: no more than its slots
+    chunks = [prompt_of(i, prompt_len, vocab) for i in range(n)]
     prefill_s = cuda_time_ms(lambda: model.prefill(chunks, list(range(len(chunks)))), iters=5, warmup=2) / 1e3
     return decode_s, sum(map(len, chunks)) / prefill_s
 

@@ -141,6 +141,32 @@ def check_masks(vocab: int = 1000) -> None:
         sampler._record(slots, want.tokens)
 
 
+def check_exact_rows_across_shapes(vocab: int = 1000) -> None:
+    """Steps with no filters and no logprobs switch launch shape with their size (``config_for``): a row's
+    token must not notice, alone, among a few rows, or among more than the few-rows shape takes, and must equal
+    the twin's."""
+    exact = [P(temperature=1.0), P(temperature=0.0), P(temperature=1.3, repetition_penalty=1.2),
+             P(temperature=0.8, presence_penalty=0.5, logit_bias={3: 2.0, 7: -100.0})]
+    target = P(temperature=1.0, frequency_penalty=0.3, logit_bias={11: 3.0})
+    gen = torch.Generator().manual_seed(8)
+    seq = [torch.randn(vocab, generator=gen) for _ in range(2)]
+    few = max(n for n in range(1, 64) if config_for(vocab, n, exact=True) != config_for(vocab))
+    runs = []
+    for batch in (1, few, few + 5):
+        params = [target] + (exact * 8)[:batch - 1]
+        fast, slow = admit(vocab, params, seed=0), admit(vocab, params, seed=0)
+        slow._kernel = None
+        tokens = []
+        for logits in seq:
+            batch_logits = torch.randn(batch, vocab, generator=gen)
+            batch_logits[0] = logits
+            got = fast.sample(batch_logits, torch.arange(batch))
+            assert got.token_ids == slow.sample(batch_logits, torch.arange(batch)).token_ids
+            tokens.append(got.token_ids[0])
+        runs.append(tokens)
+    assert runs[0] == runs[1] == runs[2], runs
+
+
 def check_warm_up() -> None:
     sampler = admit(300, MIXES[:3])
     before = sampler._generated.clone()
@@ -156,6 +182,7 @@ if __name__ == "__main__":
     check_same_as_twin(4096, "peaked", steps=1)
     check_recording()
     check_batch_invariance()
+    check_exact_rows_across_shapes()
     check_masks()
     check_warm_up()
     print("sampling checks passed")

@@ -173,6 +173,25 @@ def test_batch_invariance_on_gpu(small_weights):
         assert rel_err(logits[slots.index(5)], alone) < 1e-2
 
 
+def test_one_slot_engine_warms_up_and_generates_on_cuda(tmp_path):
+    """A worker started with --max-num-seqs 1: warm-up's eager packings of several chunks must fit one slot
+    (they once asked three sequences of a one-slot pool and crashed)."""
+    from engine.config import EngineConfig
+    from engine.demo import write_demo_model
+    from engine.engine import LLMEngine
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=1,
+                                    max_num_batched_tokens=64))
+    engine.warm_up()
+    engine.add(Request("x", list(range(10, 90)), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    toks = []
+    while engine.has_work():
+        toks += [t for o in engine.step() for t in o.token_ids]
+    assert len(toks) == 5
+
+
 def test_engine_generates_on_cuda(tmp_path):
     from engine.config import EngineConfig
     from engine.demo import write_demo_model

@@ -39,6 +39,7 @@ the other: a probability-zero event for continuous noise.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,7 @@ TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
+FEW_ROWS = 256  # up to this many rows an exact variant runs the wide shape (``config_for``)
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,18 @@ class KernelConfig:
     programs_per_sm: int = 2
 
 
-def config_for(vocab_size: int) -> KernelConfig:
-    if vocab_size <= 8192:  # tests and small models: several chunks and a small band, to exercise both
+@functools.lru_cache(maxsize=None)
+def config_for(vocab_size: int, rows: int = 0, exact: bool = False) -> KernelConfig:
+    """The launch shape for a step of ``rows`` rows. ``exact``: the variant has no filters and no logprobs, so
+    each row's token is the race's winner or the argmax, the same however the row is chunked and summed: only
+    those may switch shape with the batch's size (few rows: one wide program an SM each, lower latency a row).
+    Every other variant has one shape per vocabulary size, so its rows never depend on their batch."""
+    small_vocab = vocab_size <= 8192
+    if exact and 0 < rows <= (4 if small_vocab else FEW_ROWS):
+        # the wide shape measured before session 11 at batch 1: T=1 0.10-0.12 ms against 0.16 for the small one
+        return KernelConfig(block=512, cap=64, num_warps=8, programs_per_sm=1) if small_vocab else \
+            KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
+    if small_vocab:  # tests and small models: several chunks and a small band, to exercise both
         return KernelConfig(block=256, cap=64, num_warps=4)
     # small programs, 8 an SM: a row's chunk loop waits on its loads and barriers, and programs that wait
     # independently hide each other's waits (session 11 on the H200, against block 2,048 / 16 warps / 1 an SM:
@@ -699,9 +711,9 @@ class SamplingWorkspace:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.config = config_for(vocab_size)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        self.programs = sms * self.config.programs_per_sm
+        self.config = config_for(vocab_size)  # the most programs and the largest band of any shape
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        self.programs = self.sms * self.config.programs_per_sm
         self.band_v = torch.empty(self.programs, self.config.cap, dtype=torch.float32, device=device)
         self.band_i = torch.empty(self.programs, self.config.cap, dtype=torch.int32, device=device)
         self.rows: torch.Tensor | None = None
@@ -743,13 +755,14 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     masks = t.masks if has_masks else ws.dummy
     prepare = f.bias or f.ban or has_pen or has_masks
     scratch = ws.scratch_rows() if prepare else ws.band_v
-    cfg = ws.config
+    filtered = f.min_p or f.top_p or f.top_k
+    cfg = config_for(v, b, exact=not (filtered or f.logprobs))
     if b > 0:
-        _sample_kernel[(min(b, ws.programs),)](
+        _sample_kernel[(min(b, ws.sms * cfg.programs_per_sm),)](
             logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
-            max(top_w, 1), FILTER=f.min_p or f.top_p or f.top_k, LOGPROBS=f.logprobs, PREPARE=prepare,
+            max(top_w, 1), FILTER=filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
             CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)
