@@ -7,8 +7,9 @@ between them and accepted 2,051 requests/s. With a socket a process the kernel s
 the processes by a hash of their addresses.
 
 The parent binds the port first (nothing else may listen there: it checks with a plain bind), starts the
-processes, restarts one that dies, replaces them one by one on SIGHUP (no moment without a process serving), and
-on SIGINT/SIGTERM stops them all, waiting for their graceful shutdown.
+processes, restarts one that dies, replaces them one by one on SIGHUP (no moment without a process serving), adds
+one on SIGTTIN and stops one gracefully on SIGTTOU (never the last), as uvicorn's own supervisor does, and on
+SIGINT/SIGTERM stops them all, waiting for their graceful shutdown.
 """
 
 from __future__ import annotations
@@ -111,15 +112,15 @@ class _Child:
 def serve_processes(host: str, port: int, processes: int, shutdown_timeout_s: float,
                     uvicorn_kwargs: dict[str, Any]) -> int:
     """Run ``processes`` API processes on host:port until SIGINT/SIGTERM (SIGHUP: replace them one by one, each
-    new one serving before the old one stops — the API keys file is read again, the flags stay as started); the
-    exit status (3: a process failed to start)."""
+    new one serving before the old one stops — the API keys file is read again, the flags stay as started;
+    SIGTTIN / SIGTTOU: one process more / fewer); the exit status (3: a process failed to start)."""
     try:
         reservation = reserve_port(host, port)
     except OSError as e:
         print(f"gaggle: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
     supervisor = _Supervisor(host, port, processes, shutdown_timeout_s, uvicorn_kwargs)
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU)
     previous = {s: signal.signal(s, supervisor.on_signal) for s in handled}
     try:
         return supervisor.run()
@@ -138,6 +139,7 @@ class _Supervisor:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.stopping = False
         self.reload = False
+        self.resize = 0  # SIGTTIN / SIGTTOU received and not yet applied: processes to add (< 0: to stop)
         self.status = 0
         self.pending: dict[int, float] = {}  # child index -> when to restart it
         self.port = port
@@ -145,6 +147,8 @@ class _Supervisor:
     def on_signal(self, signum, _frame) -> None:
         if signum == signal.SIGHUP:
             self.reload = True
+        elif signum in (signal.SIGTTIN, signal.SIGTTOU):
+            self.resize += 1 if signum == signal.SIGTTIN else -1
         else:
             self.stopping = True
 
@@ -157,6 +161,8 @@ class _Supervisor:
             if self.reload:
                 self.reload = False
                 self._replace_all()
+            if self.resize:
+                self._resize()
             self._check(time.monotonic())
         return self.status
 
@@ -183,6 +189,23 @@ class _Supervisor:
             self.pending[i] = now + child.restart_delay()
             log.warning("api process died; restarting", extra={"pid": child.process.pid, "exitcode": code,
                                                                 "restart_in_s": round(self.pending[i] - now, 1)})
+
+    def _resize(self) -> None:
+        """SIGTTIN: start one more process; SIGTTOU: stop the newest gracefully (requests in flight finish),
+        never the last one."""
+        grow, self.resize = self.resize, 0
+        for _ in range(grow):
+            child = self.new_child()
+            child.start()
+            self.children.append(child)
+        for _ in range(-grow):
+            if len(self.children) == 1:
+                log.warning("api: SIGTTOU with one process left; keeping it")
+                break
+            child = self.children.pop()
+            self.pending.pop(len(self.children), None)
+            _stop_all([child], self.shutdown_timeout_s)
+        log.info("api processes resized", extra={"processes": len(self.children), "change": grow})
 
     def _replace_all(self) -> None:
         """SIGHUP: each process in turn replaced by a new one, which serves beside it (its own socket) before

@@ -166,6 +166,25 @@ def test_sighup_replaces_every_process_while_the_port_keeps_answering(two_proces
     assert api.log(50000).count("api process replaced") == 2
 
 
+def test_sigttin_adds_a_process_and_sigttou_stops_one_but_never_the_last(two_process_api):
+    """As uvicorn's supervisor: SIGTTIN one process more, SIGTTOU one fewer (the newest, gracefully); SIGTTOU
+    with one left keeps it, and the port answers throughout."""
+    api = two_process_api
+    first = set(serving_processes(api))
+    api.proc.send_signal(signal.SIGTTIN)
+    wait_for(lambda: len(serving_processes(api)) == 3, 60, 0.1, "a third process serving")
+    assert first < set(serving_processes(api))
+    for _ in range(3):
+        api.proc.send_signal(signal.SIGTTOU)
+        time.sleep(0.3)
+    wait_for(lambda: len(serving_processes(api)) == 1, 60, 0.1, "one process left")
+    time.sleep(1.0)  # the third SIGTTOU must not stop it
+    assert len(serving_processes(api)) == 1 and api.proc.poll() is None, api.log(6000)
+    statuses, _ = burst(api.url, 8, 2)
+    assert statuses == {202: 16}
+    assert "SIGTTOU with one process left" in api.log(50000)
+
+
 def test_processes_that_cannot_start_stop_the_api_with_status_3(redis_url):
     """A setting every process fails on at startup (an API keys file that is not there): exit 3, not restarts
     forever."""
