@@ -142,29 +142,37 @@ def check_masks(vocab: int = 1000) -> None:
 
 
 def check_exact_rows_across_shapes(vocab: int = 1000) -> None:
-    """Steps with no filters and no logprobs switch launch shape with their size (``config_for``): a row's
-    token must not notice, alone, among a few rows, or among more than the few-rows shape takes, and must equal
-    the twin's."""
-    exact = [P(temperature=1.0), P(temperature=0.0), P(temperature=1.3, repetition_penalty=1.2),
-             P(temperature=0.8, presence_penalty=0.5, logit_bias={3: 2.0, 7: -100.0})]
-    target = P(temperature=1.0, frequency_penalty=0.3, logit_bias={11: 3.0})
-    gen = torch.Generator().manual_seed(8)
-    seq = [torch.randn(vocab, generator=gen) for _ in range(2)]
-    few = max(n for n in range(1, 64) if config_for(vocab, n, exact=True) != config_for(vocab))
-    runs = []
-    for batch in (1, few, few + 5):
-        params = [target] + (exact * 8)[:batch - 1]
-        fast, slow = admit(vocab, params, seed=0), admit(vocab, params, seed=0)
-        slow._kernel = None
-        tokens = []
-        for logits in seq:
-            batch_logits = torch.randn(batch, vocab, generator=gen)
-            batch_logits[0] = logits
-            got = fast.sample(batch_logits, torch.arange(batch))
-            assert got.token_ids == slow.sample(batch_logits, torch.arange(batch)).token_ids
-            tokens.append(got.token_ids[0])
-        runs.append(tokens)
-    assert runs[0] == runs[1] == runs[2], runs
+    """Steps with no filters and no logprobs switch launch shape with their size (``config_for``: the split race
+    for very few plain rows, the wide shape for a few, the small one for many): a row's token must not notice,
+    at a batch size in each, and must equal the twin's; with penalties and bias (a processed row) as well."""
+    plain = [P(temperature=1.0), P(temperature=0.0), P(temperature=1.3, seed=5), P(temperature=0.7)]
+    processed = [P(temperature=1.3, repetition_penalty=1.2), P(temperature=0.0, logit_bias={5: 4.0}),
+                 P(temperature=0.8, presence_penalty=0.5, logit_bias={3: 2.0, 7: -100.0})]
+    for target, neighbours in ((P(temperature=1.0), plain), (P(temperature=0.0), plain),
+                               (P(temperature=1.0, frequency_penalty=0.3, logit_bias={11: 3.0}), processed)):
+        with_prepare = target.needs_penalties or bool(target.logit_bias)
+        shapes = {}
+        for n in range(1, 64):  # the smallest batch of each shape, and one past the last switch
+            shapes.setdefault(config_for(vocab, n, exact=True, plain=not with_prepare), n)
+        batches = sorted(shapes.values()) + [max(shapes.values()) + 3]
+        assert len(batches) >= (4 if not with_prepare else 3), shapes
+        gen = torch.Generator().manual_seed(8)
+        seq = [torch.randn(vocab, generator=gen) for _ in range(2)]
+        runs = []
+        for batch in batches:
+            params = [target] + (neighbours * 20)[:batch - 1]
+            fast, slow = admit(vocab, params, seed=0), admit(vocab, params, seed=0)
+            slow._kernel = None
+            tokens = []
+            for logits in seq:
+                batch_logits = torch.randn(batch, vocab, generator=gen)
+                batch_logits[0] = logits
+                got = fast.sample(batch_logits, torch.arange(batch))
+                assert got.token_ids == slow.sample(batch_logits, torch.arange(batch)).token_ids, (target, batch)
+                tokens.append(got.token_ids[0])
+            runs.append(tokens)
+            assert torch.equal(fast._generated, slow._generated)
+        assert all(r == runs[0] for r in runs), (target, batches, runs)
 
 
 def check_warm_up() -> None:

@@ -57,3 +57,13 @@ def test_sampling_kernel_compiles_for_hopper():
     except RuntimeError as e:  # a triton without its CUDA compiler (ptxas) cannot say
         pytest.skip(f"no CUDA code generation here: {e}")
     assert "cp.async" in ptx
+    from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few plain rows
+    split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
+             "generated": "*i64", "best": "*i64", "SEGMENT": "constexpr", "BLOCK": "constexpr"}
+    ptx = triton.compile(ASTSource(fn=_race_split_kernel, signature=split, constexprs={"SEGMENT": 2048, "BLOCK": 1024}),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "atom.global" in ptx
+    finish = {"slots": "*i64", "generated": "*i64", "counts": "*i32", "V": "i32", "best": "*i64", "record": "i32",
+              "has_penalty_state": "i32", "out_token": "*i64"}
+    triton.compile(ASTSource(fn=_race_finish_kernel, signature=finish), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 1})

@@ -79,26 +79,36 @@ TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
 FEW_ROWS = 256  # up to this many rows an exact variant runs the wide shape (``config_for``)
+SPLIT_ROWS = 16  # up to this many rows a plain exact step runs the split race
+NONE_YET = tl.constexpr(-(2 ** 63))  # the split race's empty slot (below every packed key)
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Fixed per vocabulary size, never per batch (a row's sums must not depend on its batch): ``block``
     values a chunk in every pass, ``cap`` the band buffer (sorted at the end of a threshold search), and the
-    persistent grid, ``programs_per_sm`` programs of ``num_warps`` warps on each SM."""
+    persistent grid, ``programs_per_sm`` programs of ``num_warps`` warps on each SM. ``segments`` > 1: the
+    split race instead (``_race_split_kernel``), each row over that many programs."""
     block: int
     cap: int
     num_warps: int
     programs_per_sm: int = 2
+    segments: int = 1
 
 
 @functools.lru_cache(maxsize=None)
-def config_for(vocab_size: int, rows: int = 0, exact: bool = False) -> KernelConfig:
+def config_for(vocab_size: int, rows: int = 0, exact: bool = False, plain: bool = False) -> KernelConfig:
     """The launch shape for a step of ``rows`` rows. ``exact``: the variant has no filters and no logprobs, so
     each row's token is the race's winner or the argmax, the same however the row is chunked and summed: only
-    those may switch shape with the batch's size (few rows: one wide program an SM each, lower latency a row).
-    Every other variant has one shape per vocabulary size, so its rows never depend on their batch."""
+    those may switch shape with the batch's size (few rows: one wide program an SM each, lower latency a row;
+    ``plain`` — no processed row either — and very few: each row split over several programs). Every other
+    variant has one shape per vocabulary size, so its rows never depend on their batch."""
     small_vocab = vocab_size <= 8192
+    if exact and plain and 0 < rows <= (2 if small_vocab else SPLIT_ROWS):
+        # one row on one SM waits on its 32 chunks one after another (0.10-0.16 ms at batch 1): over many SMs
+        # each program has a chunk or two; not yet measured on a GPU
+        return KernelConfig(block=256, cap=64, num_warps=4, segments=4) if small_vocab else \
+            KernelConfig(block=1024, cap=1024, num_warps=4, segments=32)
     if exact and 0 < rows <= (4 if small_vocab else FEW_ROWS):
         # the wide shape measured before session 11 at batch 1: T=1 0.10-0.12 ms against 0.16 for the small one
         return KernelConfig(block=512, cap=64, num_warps=8, programs_per_sm=1) if small_vocab else \
@@ -702,6 +712,75 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
             _write_top(top_v, top_i, lp_k, lse, out_top_id + r * top_w, out_top_lp + r * top_w, top_w)
 
 
+# ------------------------------------------------------------------------ the split race
+
+@triton.jit
+def _packed(key, token):
+    """(key, token) as one int64 whose maximum is the largest key, ties to the lowest token."""
+    return (_ordered(key).to(tl.int64) << 32) | (2147483647 - token).to(tl.int64)
+
+
+@triton.jit
+def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, best, SEGMENT: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Program (row, g) races (or, greedy, takes the first maximum) over ids [g·SEGMENT, (g+1)·SEGMENT) of a
+    row with no filters, logprobs or processed values, and folds its best into ``best[row]`` by atomic max:
+    the row's token is the same as one program's over the whole row (``_race_chunk`` is exact)."""
+    r = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * SEGMENT
+    hi = tl.minimum(lo + SEGMENT, V)
+    slot = tl.load(slots + r).to(tl.int64)
+    x_row = logits + r * stride
+    scale = tl.load(fparams + slot * NUM_F + F_INV_TEMPERATURE)
+    sampled = tl.load(fparams + slot * NUM_F + F_TEMPERATURE) != 0.0
+    row_key = _row_key(tl.load(iparams + slot * NUM_I + I_SEED_KEY), tl.load(generated + slot))
+    lanes = tl.arange(0, BLOCK)
+    m_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    arg_l = tl.zeros([BLOCK], tl.int32)
+    w_key = float("-inf")
+    w_id = 0
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        s = _load_scaled(x_row, start + lanes, hi, scale)
+        if sampled:
+            w_key, w_id = _race_chunk(s, start, s > float("-inf"), row_key, w_key, w_id)
+        else:
+            arg_l = tl.where(s > m_l, start + lanes, arg_l)
+            m_l = tl.maximum(m_l, s)
+    if not sampled:
+        w_key = tl.max(m_l, 0)
+        w_id = tl.min(tl.where(m_l == w_key, arg_l, 2 ** 31 - 1), 0)
+        w_id = tl.where(w_key == float("-inf"), 0, w_id)  # nothing finite: token 0, as the one-program path
+    tl.atomic_max(best + r, _packed(w_key, w_id))
+
+
+@triton.jit
+def _race_finish_kernel(slots, generated, counts, V, best, record, has_penalty_state, out_token):
+    """The split race's token per row, the slot recorded as the one-program kernel does, ``best`` emptied."""
+    r = tl.program_id(0).to(tl.int64)
+    token = 2147483647 - (tl.load(best + r) & 0xFFFFFFFF).to(tl.int32)
+    tl.store(best + r, NONE_YET)
+    tl.store(out_token + r, token.to(tl.int64))
+    if record != 0:
+        slot = tl.load(slots + r).to(tl.int64)
+        tl.store(generated + slot, tl.load(generated + slot) + 1)
+        if has_penalty_state != 0:
+            tl.atomic_add(counts + slot * V + token, 1)
+
+
+def _sample_split(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, ws: SamplingWorkspace,
+                  cfg: KernelConfig, record: bool, has_pen: bool, counts: torch.Tensor) -> DeviceSample:
+    """Two launches, no sync: the split race, then the tokens and the recording."""
+    b, v = logits.shape
+    segment = triton.cdiv(triton.cdiv(v, cfg.segments), cfg.block) * cfg.block
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    _race_split_kernel[(b, triton.cdiv(v, segment))](
+        logits, v, logits.stride(0), slots, t.fparams, t.iparams, t.generated, ws.best, SEGMENT=segment,
+        BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _race_finish_kernel[(b,)](slots, t.generated, counts, v, ws.best, int(record), int(has_pen), tokens,
+                              num_warps=1)
+    return DeviceSample(tokens)
+
+
 # ---------------------------------------------------------------------------------- launch
 
 class SamplingWorkspace:
@@ -716,6 +795,7 @@ class SamplingWorkspace:
         self.programs = self.sms * self.config.programs_per_sm
         self.band_v = torch.empty(self.programs, self.config.cap, dtype=torch.float32, device=device)
         self.band_i = torch.empty(self.programs, self.config.cap, dtype=torch.int32, device=device)
+        self.best = torch.full((SPLIT_ROWS,), NONE_YET.value, dtype=torch.int64, device=device)  # split race
         self.rows: torch.Tensor | None = None
         self.dummy = torch.zeros(16, dtype=torch.int32, device=device)
 
@@ -736,32 +816,35 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Features,
                 ws: SamplingWorkspace, record: bool = False) -> DeviceSample:
     """Tokens (and raw logprobs when ``f.logprobs``) for ``logits`` [B, V] and distinct ``slots`` [B]: one
-    launch, no sync (batch 1's budget is tens of microseconds: no fills, no gathers around it). ``record``:
-    advance the counters and penalty counts in the same launch. Logprob entries of rows with k = -1 are
-    undefined (``DeviceSample.to_host`` reads k)."""
+    launch (two for the split race), no sync (batch 1's budget is tens of microseconds: no fills, no gathers
+    around it). ``record``: advance the counters and penalty counts in the same launch. Logprob entries of rows
+    with k = -1 are undefined (``DeviceSample.to_host`` reads k)."""
     b, v = logits.shape
     logits, slots = _aligned(logits.float()), _aligned(slots.long())
     dev = logits.device
+    has_pen = t.output_counts is not None and (f.penalties or record)
+    counts = t.output_counts if has_pen else ws.dummy
+    has_masks = f.mask and t.masks is not None
+    prepare = f.bias or f.ban or has_pen or has_masks
+    filtered = f.min_p or f.top_p or f.top_k
+    cfg = config_for(v, b, exact=not (filtered or f.logprobs), plain=not prepare)
+    if cfg.segments > 1:
+        return _sample_split(logits, slots, t, ws, cfg, record, has_pen, counts)
+    in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
+    masks = t.masks if has_masks else ws.dummy
+    scratch = ws.scratch_rows() if prepare else ws.band_v
     top_w = f.max_logprobs if f.logprobs else 0
     tokens = torch.empty(b, dtype=torch.int64, device=dev)  # apart: a view's alignment is a specialisation
     k = torch.empty(b, dtype=torch.int64, device=dev)
     lp = torch.empty(b, dtype=torch.float32, device=dev)
     top_ids = torch.empty(b, max(top_w, 1), dtype=torch.int64, device=dev)
     top_lp = torch.empty(b, max(top_w, 1), dtype=torch.float32, device=dev)
-    has_pen = t.output_counts is not None and (f.penalties or record)
-    counts = t.output_counts if has_pen else ws.dummy
-    in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
-    has_masks = f.mask and t.masks is not None
-    masks = t.masks if has_masks else ws.dummy
-    prepare = f.bias or f.ban or has_pen or has_masks
-    scratch = ws.scratch_rows() if prepare else ws.band_v
-    filtered = f.min_p or f.top_p or f.top_k
-    cfg = config_for(v, b, exact=not (filtered or f.logprobs))
     if b > 0:
         _sample_kernel[(min(b, ws.sms * cfg.programs_per_sm),)](
             logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
-            int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare), ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
+            int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
+            ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
             max(top_w, 1), FILTER=filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
             CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
