@@ -182,6 +182,24 @@ def check_warm_up() -> None:
     assert torch.equal(sampler._generated, before)
 
 
+def check_with_runners_up() -> None:
+    """The kernel's runners-up path (``RUNNERS_ON``, off until measured on a GPU) against the twin: top_p and
+    min_p rows whose race winner is not kept take the best kept runner-up."""
+    import triton.language as tl
+
+    import engine.cuda.sampling as kernel
+    kernel.RUNNERS_ON = tl.constexpr(True)  # read when the (interpreted) kernel runs
+    for kind in ROWS:
+        check_same_as_twin(1000, kind, steps=1 if kind == "all equal" else 2)
+    check_same_as_twin(4096, "flat", steps=1)
+    check_batch_invariance()
+
+
+if __name__ == "__main__" and "--runners-up" in sys.argv:
+    check_with_runners_up()
+    print("sampling checks passed (runners-up)")
+    sys.exit(0)
+
 if __name__ == "__main__":
     check_hash()
     for kind in ROWS:

@@ -12,10 +12,10 @@ import pytest
 from tests.queue_helpers import REPO
 
 
-def run_interpreted(module: str, success: str) -> None:
+def run_interpreted(module: str, success: str, *args: str) -> None:
     """``python -m module`` under Triton's CPU interpreter; it must exit 0 and print ``success``."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-m", module], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert success in proc.stdout
@@ -27,6 +27,10 @@ def test_triton_kernels_match_torch_twins_under_the_interpreter():
 
 def test_sampling_kernel_matches_torch_twin_under_the_interpreter():
     run_interpreted("tests.sampling_check", "sampling checks passed")
+
+
+def test_sampling_kernel_runners_up_path_matches_torch_twin_under_the_interpreter():
+    run_interpreted("tests.sampling_check", "sampling checks passed (runners-up)", "--runners-up")
 
 
 def test_sampling_kernel_compiles_for_hopper():
@@ -57,6 +61,14 @@ def test_sampling_kernel_compiles_for_hopper():
     except RuntimeError as e:  # a triton without its CUDA compiler (ptxas) cannot say
         pytest.skip(f"no CUDA code generation here: {e}")
     assert "cp.async" in ptx
+    import triton.language as tl
+
+    import engine.cuda.sampling as kernel
+    kernel.RUNNERS_ON = tl.constexpr(True)  # the runners-up path (off until measured): it must compile too
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    finally:
+        kernel.RUNNERS_ON = tl.constexpr(False)
     from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few plain rows
     split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
              "generated": "*i64", "best": "*i64", "SEGMENT": "constexpr", "BLOCK": "constexpr"}

@@ -17,6 +17,8 @@ at a time. Per row:
    Gaussian guess, then the interpolated crossing, plus even splits, so a bracket always shrinks.
    top_p rows first test ``w`` (2 probes: lo, min_p's floor, gives Z; and w's value): a kept ``w`` is the
    answer (p ~ top_p of rows) and the row is done after 2 passes. min_p alone: ``w`` unless under the floor.
+   With ``RUNNERS_ON`` (off until measured) the race also keeps its next best keys, and the best kept of them
+   answers most of the rest without a search (the race over the kept set is its best key).
 4. when at most ``cap`` values lie in the bracket (or above lo: then top_k's own mass, the Z top_p needs
    after top_k, is there too), one pass copies them to the program's band buffer and races the values above
    hi; the band is sorted, tau read off its cumulative counts and masses as the sorted rule reads them, and
@@ -31,7 +33,9 @@ one, so passes accumulate lane by lane and reduce once. Measured numbers belong 
 (``python -m engine.bench --sampler-only``).
 
 A row's arithmetic depends only on its values and on the configuration, which depends only on the vocabulary
-size (``config_for``): not on the batch size, its row or its program, so tokens are batch-invariant. Exact
+size (``config_for``): not on the batch size, its row or its program, so tokens are batch-invariant. (Steps
+without filters or logprobs, whose tokens are exact whatever the chunking, may switch shape with their size:
+the split race over several programs a row for a few plain rows, a wide program for a few more.) Exact
 ties between two race keys go to the lower id, where the twin (torch's argmax over its candidates) may pick
 the other: a probability-zero event for continuous noise.
 """
@@ -75,6 +79,12 @@ NO_LIMIT = tl.constexpr(2 ** 31 - 1)  # top_k off
 NUM_PROBES = tl.constexpr(8)
 TOP_LOGPROBS = tl.constexpr(32)  # raw top-k buffer: MAX_LOGPROBS (20) rounded up to a power of two
 TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
+# race keys kept beside the winner for top_p / min_p rows: when the winner is not kept, the best of these that is
+# is the answer (the race over the kept set is its best key), found with one probe pass instead of a search.
+# RUNNERS_ON: off until measured on a GPU (the filter variant's registers go 168 -> 218 a thread at 4 warps:
+# fewer programs an SM, against up to three fewer passes for the rows whose winner is not kept)
+RUNNERS = tl.constexpr(4)
+RUNNERS_ON = tl.constexpr(False)
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
@@ -174,6 +184,35 @@ def _race_chunk(s, start, keep, row_key, best_key, best_id):
         best_key = tl.where(better, c_key, best_key)
         best_id = tl.where(better, start + c_pos, best_id)
     return best_key, best_id
+
+
+@triton.jit
+def _race_chunk_runners(s, start, keep, row_key, c_key, c_id):
+    """``_race_chunk`` keeping the RUNNERS best keys (unsorted; order: key, then the lower id): a chunk is
+    skipped when no value can beat the lowest of them."""
+    lanes = tl.arange(0, s.shape[0])
+    v = _uniform(_element_hash(row_key, start + lanes))
+    floor = tl.min(c_key, 0)
+    if tl.sum((keep & (v < tl.exp(s - floor) * 1.001)).to(tl.int32), 0) > 0:
+        key = tl.where(keep, s + _neg_log_noise(v), float("-inf"))
+        slot_ids = tl.arange(0, RUNNERS)
+        b_key, b_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+        while b_key > floor:  # later ids rank below equal keys: only a larger key gets in
+            slot = tl.argmax(tl.where(c_key == floor, c_id, -1), 0)  # the lowest ranked: among equal, the last id
+            c_key = tl.where(slot_ids == slot, b_key, c_key)
+            c_id = tl.where(slot_ids == slot, start + b_pos, c_id)
+            key = tl.where(lanes == b_pos, float("-inf"), key)
+            floor = tl.min(c_key, 0)
+            b_key, b_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+    return c_key, c_id
+
+
+@triton.jit
+def _best_ranked(c_key, c_id, ok):
+    """The id of the best key among ``ok`` entries (ties: the lower id), -1 when none is."""
+    best = tl.max(tl.where(ok, c_key, float("-inf")), 0)
+    token = tl.min(tl.where(ok & (c_key == best), c_id, 2 ** 31 - 1), 0)
+    return tl.where(best > float("-inf"), token, -1)
 
 
 @triton.jit
@@ -291,10 +330,12 @@ def _raw_lse_chunk(x, m, z):
 
 
 @triton.jit
-def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, LOGPROBS: tl.constexpr, BLOCK: tl.constexpr):
-    """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``), the raw
-    log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``). Accumulated lane by lane and reduced once:
-    a reduction inside the loop is a block-wide barrier per chunk (only the race's skip test has one)."""
+def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, LOGPROBS: tl.constexpr, RUNNERS_UP: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``; with
+    RUNNERS_UP its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``).
+    Accumulated lane by lane and reduced once: a reduction inside the loop is a block-wide barrier per chunk
+    (only the race's skip test has one)."""
     lanes = tl.arange(0, BLOCK)
     m_l = tl.full([BLOCK], float("-inf"), tl.float32)
     arg_l = tl.zeros([BLOCK], tl.int32)
@@ -306,6 +347,8 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, LOGPROBS: tl.const
     zr_l = tl.zeros([BLOCK], tl.float32)
     w_key = float("-inf")
     w_id = 0
+    c_key = tl.full([RUNNERS], float("-inf"), tl.float32)
+    c_id = tl.zeros([RUNNERS], tl.int32)
     top_v = tl.where(tl.arange(0, TOP_LOGPROBS) < lp_k, float("-inf"), float("inf"))
     top_i = tl.zeros([TOP_LOGPROBS], tl.int32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
@@ -318,7 +361,10 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, LOGPROBS: tl.const
         s2_l += tl.where(fin, s * s, 0.0)
         min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
-            w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
+            if RUNNERS_UP:
+                c_key, c_id = _race_chunk_runners(s, start, fin, row_key, c_key, c_id)
+            else:
+                w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
         if LOGPROBS and lp_k >= 0:
             x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
             mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
@@ -331,7 +377,9 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, LOGPROBS: tl.const
     m_raw = tl.max(mr_l, 0)
     z_raw = tl.sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
     arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
-    return m, arg, n_fin, mean, std, tl.min(min_l, 0), w_id, m_raw + tl.log(z_raw), top_v, top_i
+    if RUNNERS_UP:  # the winner is the best of the runners (0 when nothing was finite, as above)
+        w_id = tl.maximum(_best_ranked(c_key, c_id, c_key > float("-inf")), 0)
+    return m, arg, n_fin, mean, std, tl.min(min_l, 0), w_id, m_raw + tl.log(z_raw), top_v, top_i, c_key, c_id
 
 
 # ------------------------------------------------------------------------ threshold search
@@ -569,18 +617,29 @@ def _pick(x, i):
 
 
 @triton.jit
-def _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, band_v, band_i,
+def _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, c_key, c_id, band_v, band_i,
                  CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """top_p without top_k (min_p in lo): one pass over two probes measures lo (Z: what min_p keeps) and the
-    race winner's value; the winner over all tokens is the answer when it is kept (most rows), else search."""
-    pair = tl.where(tl.arange(0, 2) == 0, lo, tl.maximum(s_w, lo))
-    cnt, mass = _probe_pass(src, scale, V, m, pair, BLOCK)
-    cl = _pick(cnt, 0)
-    z = _pick(mass, 0)
-    pz = top_p * z
+    """top_p without top_k (min_p in lo): one pass over RUNNERS probes measures lo (Z: what min_p keeps) and the
+    values of the race's best keys but the last; the best kept of those is the answer: the winner itself in
+    most rows, a runner-up in most others (p ~ (1 - top_p)^(RUNNERS - 1) of rows search)."""
     k = tl.full((), NO_LIMIT, tl.int32)
-    token = w_id
-    if (s_w <= lo) | (_keeps(_pick(cnt, 1), _pick(mass, 1), k, pz) == 0):
+    if RUNNERS_ON:
+        j = tl.arange(0, RUNNERS)
+        s_c = tl.load(src + c_id) * scale
+        last = tl.argmax(tl.where(c_key == tl.min(c_key, 0), c_id, -1), 0)  # the lowest ranked: it probes lo
+        cnt, mass = _probe_pass(src, scale, V, m, tl.where(j == last, lo, tl.maximum(s_c, lo)), BLOCK)
+        cl = _pick(cnt, last)
+        z = _pick(mass, last)
+        pz = top_p * z
+        token = _best_ranked(c_key, c_id, (j != last) & (c_key > float("-inf")) & (s_c > lo)
+                             & _keeps(cnt, mass, k, pz))
+    else:  # two probes: lo and the winner
+        cnt, mass = _probe_pass(src, scale, V, m, tl.where(tl.arange(0, 2) == 0, lo, tl.maximum(s_w, lo)), BLOCK)
+        cl = _pick(cnt, 0)
+        z = _pick(mass, 0)
+        pz = top_p * z
+        token = tl.where((s_w > lo) & _keeps(_pick(cnt, 1), _pick(mass, 1), k, pz), w_id, -1)
+    if token < 0:
         guess = _gaussian_guess(mean, std, cl, k, top_p)
         lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, z, cl * 0, z * 0.0, k, pz, guess,
                                          CAP, BLOCK)
@@ -617,8 +676,9 @@ def _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, l
 
 @triton.jit
 def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p, log_min_p,
-                    band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """min_p keeps s >= max + log(min_p): lo, just below that floor. ``w_id`` raced over all (k == 0)."""
+                    c_key, c_id, band_v, band_i, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """min_p keeps s >= max + log(min_p): lo, just below that floor. ``w_id`` raced over all and ``c_key`` /
+    ``c_id`` its runners-up (k == 0)."""
     lo = float("-inf")
     if log_min_p > float("-inf"):
         lo = _prev(m + log_min_p)
@@ -629,10 +689,14 @@ def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k,
     else:
         s_w = tl.load(src + w_id) * scale
         if top_p < 1.0:
-            token = _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, band_v,
-                                 band_i, CAP, BLOCK)
-        elif s_w <= lo:  # min_p alone: the winner unless it fell under the floor
-            nb, w_key, token = _compact(src, scale, V, lo, lo, row_key, True, band_v, band_i, CAP, BLOCK)
+            token = _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, c_key, c_id,
+                                 band_v, band_i, CAP, BLOCK)
+        elif s_w <= lo:  # min_p alone: the winner unless it fell under the floor, then the best runner-up over it
+            token = -1
+            if RUNNERS_ON:
+                token = _best_ranked(c_key, c_id, (c_key > float("-inf")) & (tl.load(src + c_id) * scale > lo))
+            if token < 0:
+                nb, w_key, token = _compact(src, scale, V, lo, lo, row_key, True, band_v, band_i, CAP, BLOCK)
     return token
 
 
@@ -693,12 +757,12 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         log_min_p = tl.load(fp + F_LOG_MIN_P)
         lp_k = tl.load(ip + I_LOGPROBS).to(tl.int32)
         row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
-        m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i = _stats_pass(
-            src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, LOGPROBS, BLOCK)
+        m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id = _stats_pass(
+            src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, LOGPROBS, FILTER and RUNNERS_ON, BLOCK)
         if sampled:
             if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
                 token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
-                                        log_min_p, band_v, band_i, CAP, BLOCK)
+                                        log_min_p, c_key, c_id, band_v, band_i, CAP, BLOCK)
             else:
                 token = w_id
         tl.store(out_token + r, token.to(tl.int64))
