@@ -300,6 +300,29 @@ def test_the_batch_worker_checks_lines_with_the_apis_limits(redis_server, tmp_pa
         r.flushdb()
 
 
+def test_a_batch_worker_without_the_apis_file_store_fails_the_batch_saying_so(redis_server, tmp_path):
+    """A batch worker started with another --files-dir than the API's (another directory, another host without
+    the shared store): the batch fails at once naming the store, not stuck in validating. A database of its own."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/5"
+    r = flushed(url)
+    api = ApiServer(url, "--files-dir", str(tmp_path / "api-files")).wait_healthy()
+    worker = start_batch_worker(url, tmp_path / "other-files", "bw-elsewhere")
+    try:
+        client = openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0)
+        path = write_lines(tmp_path / "lines.jsonl", 2, endpoint="/v1/completions")
+        batch = client.batches.create(input_file_id=client.files.create(file=path.open("rb"), purpose="batch").id,
+                                      endpoint="/v1/completions", completion_window="24h")
+        done = wait_batch(client, batch.id, timeout_s=60)
+        assert done.status == "failed", done
+        [error] = done.errors.data
+        assert error.code == "file_not_found" and str(tmp_path / "other-files") in error.message, error
+        assert error.param == "input_file_id"
+        assert "batch input file not in this worker's file store" in log_of(worker, tail=20000)
+    finally:
+        api.stop()
+        r.flushdb()
+
+
 def test_a_batch_past_its_window_expires_with_partial_output(redis_server, tiny_model_path, tmp_path):
     """A window of a few seconds (GAGGLE_BATCH_COMPLETION_WINDOW_S, what tests use for the 24 h clients ask for).
     A database of its own: the module's stack (its batch worker reads another file store) stays out of it."""

@@ -106,7 +106,19 @@ class BatchRunner:
             self.redis.srem(c.BATCHES_ACTIVE, self.batch_id)
             return batch.status if batch else "missing"
         self.tokenizer = self.tokenizer or WorldTokenizer.default()
-        lines, errors = self._validate(batch)
+        try:
+            lines, errors = self._validate(batch)
+        except FileNotFoundError:
+            # this worker's --files-dir is not the API's: failed, saying so (the job would fail the same way
+            # wherever RQ retried it on this worker, and the batch would sit in validating)
+            where = str(getattr(self.store, "root", type(self.store).__name__))
+            log.error("batch input file not in this worker's file store",
+                      extra={"batch_id": batch.id, "file_id": batch.input_file_id, "files_dir": where})
+            missing = {"code": "file_not_found", "param": "input_file_id", "line": None,
+                       "message": f"input file {batch.input_file_id} is not in the batch worker's file store "
+                                  f"({where}): the API and its batch workers must share one --files-dir"}
+            self.redis.hset(c.batch_key(batch.id), mapping={"errors": orjson.dumps([missing])})
+            return self._end(batch, FAILED)
         if errors and batch.status == VALIDATING:
             public = [{k: v for k, v in e.items() if not k.startswith("_")} for e in errors[:1000]]
             self.redis.hset(c.batch_key(batch.id), mapping={"errors": orjson.dumps(public)})
