@@ -109,14 +109,15 @@ class BatchRunner:
         try:
             lines, errors = self._validate(batch)
         except FileNotFoundError:
-            # this worker's --files-dir is not the API's: failed, saying so (the job would fail the same way
-            # wherever RQ retried it on this worker, and the batch would sit in validating)
+            # deleted, or this worker's --files-dir is not the API's: failed, saying so (the job would fail the
+            # same way wherever RQ retried it on this worker, and the batch would sit in validating)
             where = str(getattr(self.store, "root", type(self.store).__name__))
             log.error("batch input file not in this worker's file store",
                       extra={"batch_id": batch.id, "file_id": batch.input_file_id, "files_dir": where})
             missing = {"code": "file_not_found", "param": "input_file_id", "line": None,
                        "message": f"input file {batch.input_file_id} is not in the batch worker's file store "
-                                  f"({where}): the API and its batch workers must share one --files-dir"}
+                                  f"({where}): it was deleted, or the API and its batch workers do not share "
+                                  "one --files-dir"}
             self.redis.hset(c.batch_key(batch.id), mapping={"errors": orjson.dumps([missing])})
             return self._end(batch, FAILED)
         if errors and batch.status == VALIDATING:
