@@ -194,16 +194,7 @@ def _race_chunk_runners(s, start, keep, row_key, c_key, c_id):
     v = _uniform(_element_hash(row_key, start + lanes))
     floor = tl.min(c_key, 0)
     if tl.sum((keep & (v < tl.exp(s - floor) * 1.001)).to(tl.int32), 0) > 0:
-        key = tl.where(keep, s + _neg_log_noise(v), float("-inf"))
-        slot_ids = tl.arange(0, RUNNERS)
-        b_key, b_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
-        while b_key > floor:  # later ids rank below equal keys: only a larger key gets in
-            slot = tl.argmax(tl.where(c_key == floor, c_id, -1), 0)  # the lowest ranked: among equal, the last id
-            c_key = tl.where(slot_ids == slot, b_key, c_key)
-            c_id = tl.where(slot_ids == slot, start + b_pos, c_id)
-            key = tl.where(lanes == b_pos, float("-inf"), key)
-            floor = tl.min(c_key, 0)
-            b_key, b_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
+        c_key, c_id = _top_insert(tl.where(keep, s + _neg_log_noise(v), float("-inf")), start, c_key, c_id)
     return c_key, c_id
 
 
@@ -302,9 +293,10 @@ def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
 @triton.jit
 def _top_insert(x, start, top_v, top_i):
     """Move the chunk's values above the running k-th best into the unsorted top buffer, largest first
-    (slots past k hold +inf, never the minimum). A value must beat the best k seen so far: after the first
-    chunk about k / (chunks so far) of them do, so the loop runs ~3k times a row in all."""
-    slot_ids = tl.arange(0, TOP_LOGPROBS)
+    (slots past k hold +inf, never the minimum; later ids rank below equal values, so only a larger one gets
+    in). A value must beat the best k seen so far: after the first chunk about k / (chunks so far) of them do,
+    so the loop runs ~3k times a row in all. Also the race's runners-up, over its keys."""
+    slot_ids = tl.arange(0, top_v.shape[0])
     lanes = tl.arange(0, x.shape[0])
     theta = tl.min(top_v, 0)
     v, pos = tl.max(tl.where(x > theta, x, float("-inf")), 0, return_indices=True,
@@ -810,10 +802,9 @@ def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, be
         else:
             arg_l = tl.where(s > m_l, start + lanes, arg_l)
             m_l = tl.maximum(m_l, s)
-    if not sampled:
+    if not sampled:  # the first maximum; nothing finite: token 0, as the one-program path
         w_key = tl.max(m_l, 0)
-        w_id = tl.min(tl.where(m_l == w_key, arg_l, 2 ** 31 - 1), 0)
-        w_id = tl.where(w_key == float("-inf"), 0, w_id)  # nothing finite: token 0, as the one-program path
+        w_id = tl.maximum(_best_ranked(m_l, arg_l, m_l > float("-inf")), 0)
     tl.atomic_max(best + r, _packed(w_key, w_id))
 
 
