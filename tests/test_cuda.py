@@ -504,6 +504,36 @@ def test_cuda_sampler_is_deterministic_and_batch_invariant():
     assert len(set(seen)) == 1, seen
 
 
+def test_exact_rows_take_one_token_in_every_launch_shape():
+    """Plain T=1 rows (no filters, logprobs or processed values) run the split race alone or among few, the
+    wide shape up to 256 rows and the small one beyond: a row gets the same token in all three, and the rows
+    of each batch agree with the torch path (near-ties aside)."""
+    from engine.cuda.sampling import FEW_ROWS, SPLIT_ROWS, config_for
+    from engine.params import SamplingParams
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    row = torch.randn(65536, device=DEVICE, generator=gen) * 3
+    shapes, tokens, agree, total = set(), set(), 0, 0
+    for batch in (1, SPLIT_ROWS, FEW_ROWS, 1024):
+        shapes.add(config_for(65536, batch, exact=True, plain=True))
+        sampler = admitted_sampler([SamplingParams(temperature=1.0)] * batch)
+        sampler.reset_slot(batch - 1, SamplingParams(temperature=1.0), seed=99, prompt_token_ids=[1])
+        logits = torch.randn(batch, 65536, device=DEVICE, generator=gen)
+        logits[batch - 1] = row
+        slots = torch.arange(batch, device=DEVICE)
+        want = sample_rows_ref_tokens(sampler, logits, slots)
+        got = sampler.sample_device(logits, slots).tokens
+        tokens.add(int(got[-1]))
+        agree, total = agree + int((got == want).sum()), total + batch
+    assert len(shapes) == 3, shapes
+    assert len(tokens) == 1, tokens
+    assert agree >= 0.995 * total, (agree, total)
+
+
+def sample_rows_ref_tokens(sampler, logits, slots):
+    from engine.cuda.sampling import sample_rows_ref
+    return sample_rows_ref(logits, slots, sampler.tables, sampler._features()).tokens
+
+
 def test_sample_device_never_synchronises():
     """The step loop may queue the sampler behind the model: sample_device must not wait for the device."""
     params = sampler_mixes() * 4

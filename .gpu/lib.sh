@@ -1,0 +1,38 @@
+# Sourced by every .gpu/*.sh on the lent GPU host (run from the repo root).
+# Installs the carried wheels, keeps the Triton cache between calls of one lease (.gpu/cache is git-ignored,
+# so the device tool leaves it in place while the machine stays warm), writes every log under $R = $OUT.
+set -uo pipefail
+export R=${OUT:-/tmp/out}; mkdir -p "$R"
+if [ ! -d /tmp/site/redis ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$R/pip.log" 2>&1 || { echo "pip failed"; tail "$R/pip.log"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+export TRITON_CACHE_DIR=$PWD/.gpu/cache/triton TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+GAGGLE="python3 -m worker.cli"
+T0=$(date +%s)
+# step NAME LIMIT_S CMD...: runs CMD with a time limit, its output in $R/NAME.log (kept when cut), one line here
+step() {
+  local name=$1 limit=$2; shift 2
+  local s=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - s ))s (t=$(( $(date +%s) - T0 ))s)"
+  return $rc
+}
+model() {  # the 1.5B random bf16 model, once a lease
+  [ -f .gpu/cache/m15.pth ] || $GAGGLE demo-model --preset 1.5b --out .gpu/cache/m15.pth > "$R/model.log" 2>&1
+}
+# up PORT ARGS...: gaggle up in its own session (survives the call), waits for /ready
+up() {
+  local port=$1; shift
+  rm -rf .gpu/cache/data-$port; mkdir -p .gpu/cache/data-$port
+  setsid nohup $GAGGLE up --model .gpu/cache/m15.pth --port "$port" --data-dir .gpu/cache/data-$port "$@" \
+    > "$R/up-$port.log" 2>&1 < /dev/null &
+  for _ in $(seq 600); do
+    python3 -c "import sys,urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/ready" > /dev/null 2>&1 && { echo "== up $port ready t=$(( $(date +%s) - T0 ))s"; return 0; }
+    sleep 1
+  done
+  echo "== up $port NOT ready"; tail -20 "$R/up-$port.log"; return 1
+}
+down() { pkill -INT -f "worker.cli up" ; sleep 8; pkill -9 -f "worker.cli" ; pkill -9 -f redis-server; true; }
