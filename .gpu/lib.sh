@@ -11,6 +11,10 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export TRITON_CACHE_DIR=$PWD/.gpu/cache/triton TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 GAGGLE="python3 -m worker.cli"
+# preflight: every process gaggle up starts imports these (session 12 lost a call to an API crash-looping on a
+# wheel missing here: .gpu/wheels.sh fetches them)
+python3 -c "import api.main, worker.worker, worker.batch_cli, engine.engine" > "$R/imports.log" 2>&1 || {
+  echo "imports fail on this host:"; tail -3 "$R/imports.log"; exit 1; }
 T0=$(date +%s)
 # step NAME LIMIT_S CMD...: runs CMD with a time limit, its output in $R/NAME.log (kept when cut), one line here
 step() {
@@ -31,6 +35,8 @@ up() {
     > "$R/up-$port.log" 2>&1 < /dev/null &
   for _ in $(seq 600); do
     python3 -c "import sys,urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/ready" > /dev/null 2>&1 && { echo "== up $port ready t=$(( $(date +%s) - T0 ))s"; return 0; }
+    grep -q "exited; restarting" "$R/up-$port.log" && { echo "== up $port: a child crashed"; tail -5 "$R/up-$port.log"
+      tail -20 .gpu/cache/data-$port/logs/*.log; down; return 1; }
     sleep 1
   done
   echo "== up $port NOT ready"; tail -20 "$R/up-$port.log"; return 1

@@ -182,13 +182,13 @@ def check_warm_up() -> None:
     assert torch.equal(sampler._generated, before)
 
 
-def check_with_runners_up() -> None:
-    """The kernel's runners-up path (``RUNNERS_ON``, off until measured on a GPU) against the twin: top_p and
-    min_p rows whose race winner is not kept take the best kept runner-up."""
+def check_without_runners_up() -> None:
+    """The kernel with its runners-up path off (``RUNNERS_ON``: the two-probe path, then the search) against the
+    twin: top_p and min_p rows whose race winner is not kept search for the kept set."""
     import triton.language as tl
 
     import engine.cuda.sampling as kernel
-    kernel.RUNNERS_ON = tl.constexpr(True)  # read when the (interpreted) kernel runs
+    kernel.RUNNERS_ON = tl.constexpr(False)  # read when the (interpreted) kernel runs
     check_twin_on_every_kind()
     check_batch_invariance()
 
@@ -199,9 +199,9 @@ def check_twin_on_every_kind() -> None:
     check_same_as_twin(4096, "flat", steps=1)
 
 
-if __name__ == "__main__" and "--runners-up" in sys.argv:
-    check_with_runners_up()
-    print("sampling checks passed (runners-up)")
+if __name__ == "__main__" and "--no-runners-up" in sys.argv:
+    check_without_runners_up()
+    print("sampling checks passed (no runners-up)")
     sys.exit(0)
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ at a time. Per row:
    Gaussian guess, then the interpolated crossing, plus even splits, so a bracket always shrinks.
    top_p rows first test ``w`` (2 probes: lo, min_p's floor, gives Z; and w's value): a kept ``w`` is the
    answer (p ~ top_p of rows) and the row is done after 2 passes. min_p alone: ``w`` unless under the floor.
-   With ``RUNNERS_ON`` (off until measured) the race also keeps its next best keys, and the best kept of them
+   With ``RUNNERS_ON`` (on since session 12) the race also keeps its next best keys, and the best kept of them
    answers most of the rest without a search (the race over the kept set is its best key).
 4. when at most ``cap`` values lie in the bracket (or above lo: then top_k's own mass, the Z top_p needs
    after top_k, is there too), one pass copies them to the program's band buffer and races the values above
@@ -81,10 +81,13 @@ TOP_LOGPROBS = tl.constexpr(32)  # raw top-k buffer: MAX_LOGPROBS (20) rounded u
 TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
 # race keys kept beside the winner for top_p / min_p rows: when the winner is not kept, the best of these that is
 # is the answer (the race over the kept set is its best key), found with one probe pass instead of a search.
-# RUNNERS_ON: off until measured on a GPU (the filter variant's registers go 168 -> 218 a thread at 4 warps:
-# fewer programs an SM, against up to three fewer passes for the rows whose winner is not kept)
+# RUNNERS_ON: the filter variant's registers go 168 -> 218 a thread at 4 warps (fewer programs an SM), against up to
+# three fewer passes for the rows whose winner is not kept. Session 12 on the H200 (batch 1,024): top_p 0.9
+# 0.92 / 0.84 -> 0.65 / 0.65 ms (flat / peaked); top_k and min_p no better, in a process whose unchanged variants
+# ran 12-16% slower (engine.bench's sampler table, BENCHMARKS). Off: the two-probe path (tested under the
+# interpreter: tests.sampling_check --no-runners-up)
 RUNNERS = tl.constexpr(4)
-RUNNERS_ON = tl.constexpr(False)
+RUNNERS_ON = tl.constexpr(True)
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
