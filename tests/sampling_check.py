@@ -21,7 +21,8 @@ MIXES = [P(temperature=0.0), P(temperature=1.0), P(temperature=1.0, top_p=0.9), 
          P(temperature=0.5, min_tokens=2, stop_token_ids=[5], top_p=0.8), P(temperature=0.0, logprobs=3),
          P(temperature=2.0, top_p=0.999, top_k=1),
          # sharp edges: an off-by-one in top_k or at the min_p floor changes these rows' tokens often
-         P(temperature=1.0, top_k=1), P(temperature=1.5, top_k=2), P(temperature=1.0, min_p=1.0),
+         P(temperature=1.0, top_k=1), P(temperature=1.5, top_k=2), P(temperature=1.0, top_k=3),
+         P(temperature=1.0, min_p=1.0),
          P(temperature=1.0, top_k=5000, min_p=0.1)]  # top_k above what min_p leaves: off
 
 ROWS = {  # logits of every kind the threshold search must survive
@@ -31,7 +32,17 @@ ROWS = {  # logits of every kind the threshold search must survive
     "half -inf": lambda n, v, g: torch.where(torch.rand(n, v, generator=g) < 0.5, -math.inf,
                                              torch.randn(n, v, generator=g)),
     "all equal": lambda n, v, g: torch.zeros(n, v),
+    "three in a lane": lambda n, v, g: three_in_a_lane(torch.randn(n, v, generator=g)),
 }
+
+
+def three_in_a_lane(rows: torch.Tensor, lanes: int = 256) -> torch.Tensor:
+    """Each row's three largest values on ids one block apart (one lane of the kernel's stats pass, block 256
+    at these vocabularies), rising: the lane's first largest is pushed down to its third."""
+    for r in range(rows.shape[0]):
+        lane = (r * 37) % lanes
+        rows[r, [lane, lane + lanes, lane + 2 * lanes]] = torch.tensor([5.0, 5.5, 6.0])
+    return rows
 
 
 def check_hash() -> None:
@@ -193,11 +204,46 @@ def check_without_runners_up() -> None:
     check_batch_invariance()
 
 
+def check_with_lane_band() -> None:
+    """The kernel with its lane band on (``LANE_BAND_ON``: top_k rows from the stats pass's band when at least
+    k values lie above b3) against the twin; the vocabularies here take it for small k and fall back for
+    large k."""
+    import triton.language as tl
+
+    import engine.cuda.sampling as kernel
+    kernel.LANE_BAND_ON = tl.constexpr(True)  # read when the (interpreted) kernel runs
+    check_twin_on_every_kind()
+    check_same_as_twin(4096, "peaked", steps=1)
+    check_three_in_a_lane()
+    check_batch_invariance()
+
+
+def check_three_in_a_lane(vocab: int = 1000) -> None:
+    """Rows whose three largest values share a lane, under top_k 2 / 3 / 4: a lane band that lost the third
+    (the value pushed down from second) would miss a kept value and sample another in its place."""
+    params = [P(temperature=1.0, top_k=2 + i % 3) for i in range(48)]
+    sampler = admit(vocab, params)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        logits = three_in_a_lane(torch.randn(len(params), vocab, generator=gen))
+        slots = torch.arange(len(params))
+        f = sampler._features()
+        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
+        want = sample_rows_ref(logits, slots, sampler.tables, f)
+        assert got.tokens.tolist() == want.tokens.tolist(), (got.tokens, want.tokens)
+        sampler._record(slots, want.tokens)
+
+
 def check_twin_on_every_kind() -> None:
     for kind in ROWS:
         check_same_as_twin(1000, kind, steps=1 if kind == "all equal" else 2)
     check_same_as_twin(4096, "flat", steps=1)
 
+
+if __name__ == "__main__" and "--lane-band" in sys.argv:
+    check_with_lane_band()
+    print("sampling checks passed (lane band)")
+    sys.exit(0)
 
 if __name__ == "__main__" and "--no-runners-up" in sys.argv:
     check_without_runners_up()

@@ -29,6 +29,10 @@ def test_sampling_kernel_matches_torch_twin_under_the_interpreter():
     run_interpreted("tests.sampling_check", "sampling checks passed")
 
 
+def test_sampling_kernel_with_lane_band_matches_torch_twin_under_the_interpreter():
+    run_interpreted("tests.sampling_check", "sampling checks passed (lane band)", "--lane-band")
+
+
 def test_sampling_kernel_without_runners_up_matches_torch_twin_under_the_interpreter():
     run_interpreted("tests.sampling_check", "sampling checks passed (no runners-up)", "--no-runners-up")
 
@@ -64,11 +68,13 @@ def test_sampling_kernel_compiles_for_hopper():
     import triton.language as tl
 
     import engine.cuda.sampling as kernel
-    kernel.RUNNERS_ON = tl.constexpr(False)  # the path without runners-up: it must compile too
-    try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-    finally:
-        kernel.RUNNERS_ON = tl.constexpr(True)
+    for switch, other in (("RUNNERS_ON", False), ("LANE_BAND_ON", True)):  # the switches' other side compiles too
+        setattr(kernel, switch, tl.constexpr(other))
+        try:
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps}).asm["ptx"]
+            assert "cp.async" in ptx, switch
+        finally:
+            setattr(kernel, switch, tl.constexpr(not other))
     from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few plain rows
     split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
              "generated": "*i64", "best": "*i64", "SEGMENT": "constexpr", "BLOCK": "constexpr"}
