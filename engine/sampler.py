@@ -586,7 +586,9 @@ class Sampler:
     # ---------------------------------------------------------------- internals
 
     def _record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        if self.output_counts is not None:
+        # counts only while a live slot has penalties (a slot's counts are zeroed when it is admitted): once
+        # the last such request is gone, steps drop the penalty stage again (and on CUDA its kernel variant)
+        if self.output_counts is not None and self._features().penalties:
             ones = torch.ones_like(tokens, dtype=torch.int32)
             self.output_counts.index_put_((slots, tokens), ones, accumulate=True)
         self._generated.index_add_(0, slots, torch.ones_like(slots))

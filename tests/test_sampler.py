@@ -646,8 +646,8 @@ def test_sample_device_leaves_results_on_the_device_and_records() -> None:
 
 def test_plain_greedy_batches_take_the_argmax_path_and_still_record() -> None:
     """Every occupied slot greedy with nothing else: the argmax path (ties to the lowest id, as the kernel);
-    counters advance, and penalty counts too once a penalty request made them exist; one sampled, biased or
-    logprobs slot sends the step back to the full path."""
+    counters advance (penalty counts do not: no live slot has penalties, and a slot's counts start at zero when
+    it is admitted); one sampled, biased or logprobs slot sends the step back to the full path."""
     from engine.sampler import Features
     sampler = Sampler(4, 64)
     for slot in range(3):
@@ -665,7 +665,29 @@ def test_plain_greedy_batches_take_the_argmax_path_and_still_record() -> None:
         sampler.release_slot(3)
     assert sampler._features().plain_greedy and sampler.output_counts is not None  # the penalty slot made them
     before = sampler.output_counts.clone()
-    out = sampler.sample_device(logits, slots_of(0, 1, 2))
-    added = sampler.output_counts - before
-    assert [int(added[s, t]) for s, t in zip((0, 1, 2), out.tokens.tolist())] == [1, 1, 1] and int(added.sum()) == 3
+    sampler.sample_device(logits, slots_of(0, 1, 2))
+    assert torch.equal(sampler.output_counts, before) and sampler._generated.tolist() == [2, 2, 2, 0]
     assert Features(greedy=True).plain_greedy and not Features(greedy=True, mask=True).plain_greedy
+
+
+def test_penalty_counts_are_kept_while_a_penalty_slot_lives() -> None:
+    """Counts advance only in steps with a live penalty slot, and a penalty request admitted after steps
+    without any counts exactly its own tokens: what its penalties then apply to."""
+    vocab = 32
+    sampler = Sampler(3, vocab)
+    sampler.reset_slot(0, SamplingParams(temperature=1.0), seed=1, prompt_token_ids=[1])
+    sampler.reset_slot(1, SamplingParams(temperature=1.0, frequency_penalty=1.0), seed=2, prompt_token_ids=[1])
+    sampler.sample(random_logits(2, vocab, seed=0), slots_of(0, 1))
+    assert int(sampler.output_counts.sum()) == 2  # both rows of a step with a penalty slot
+    sampler.release_slot(1)
+    for step in range(3):
+        sampler.sample(random_logits(1, vocab, seed=step), slots_of(0))
+    assert int(sampler.output_counts.sum()) == 2  # none while no penalty slot lives
+    p = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    sampler.reset_slot(2, p, seed=3, prompt_token_ids=[])
+    drawn = [sampler.sample(random_logits(2, vocab, seed=10 + step), slots_of(0, 2)).token_ids[1]
+             for step in range(4)]
+    assert sampler.output_counts[2].tolist() == torch.bincount(torch.tensor(drawn), minlength=vocab).tolist()
+    logits = random_logits(1, vocab, seed=50)
+    want = reference_process(logits[0], p, [], drawn, [])
+    torch.testing.assert_close(sampler.process_logits(logits, slots_of(2))[0], want)

@@ -960,7 +960,7 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     b, v = logits.shape
     logits, slots = _aligned(logits.float()), _aligned(slots.long())
     dev = logits.device
-    has_pen = t.output_counts is not None and (f.penalties or record)
+    has_pen = t.output_counts is not None and f.penalties  # counts matter to live penalty rows only
     counts = t.output_counts if has_pen else ws.dummy
     has_masks = f.mask and t.masks is not None
     prepare = f.bias or f.ban or has_pen or has_masks
