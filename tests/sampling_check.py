@@ -212,6 +212,7 @@ def check_with_lane_band() -> None:
 
     import engine.cuda.sampling as kernel
     kernel.LANE_BAND_ON = tl.constexpr(True)  # read when the (interpreted) kernel runs
+    kernel.FILTER_MAX_REGISTERS = 168  # and the register cap's launch path
     check_twin_on_every_kind()
     check_same_as_twin(4096, "peaked", steps=1)
     check_three_in_a_lane()

@@ -75,6 +75,8 @@ def test_sampling_kernel_compiles_for_hopper():
             assert "cp.async" in ptx, switch
         finally:
             setattr(kernel, switch, tl.constexpr(not other))
+    capped = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "maxnreg": 168})
+    assert ".maxnreg 168" in capped.asm["ptx"]  # FILTER_MAX_REGISTERS's launch option
     from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few plain rows
     split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
              "generated": "*i64", "best": "*i64", "SEGMENT": "constexpr", "BLOCK": "constexpr"}

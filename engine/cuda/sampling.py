@@ -96,6 +96,11 @@ RUNNERS_ON = tl.constexpr(True)
 # compact pass (3 in all). Exact either way: too few candidates above b3 (large k) falls back to the search.
 # Off until measured on a GPU (more registers in the filter variant, against two fewer passes a top_k row)
 LANE_BAND_ON = tl.constexpr(False)
+# A register cap for the filter variants (ptxas's .maxnreg). Uncapped, ptxas gives them 218-249 registers a thread:
+# two 4-warp programs an SM, where the plain variant has five, and a filtered row's single pass costs ~1.7x a plain
+# one at batch 1,024 (session 12). Capped at 168, three fit (36 bytes of spill stores); at 128, four (316 bytes).
+# None until measured (.gpu/c2.sh; .gpu/regs.py maxnreg=N prints the spills)
+FILTER_MAX_REGISTERS: int | None = None
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
@@ -984,7 +989,8 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
             max(top_w, 1), FILTER=filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
-            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
+            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps,
+            **({"maxnreg": FILTER_MAX_REGISTERS} if filtered and FILTER_MAX_REGISTERS else {}))
     if not f.logprobs:
         return DeviceSample(tokens)
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
