@@ -372,7 +372,7 @@ def bench_admission(device: str, num_slots: int = 1024, admitted: int = 64, repe
 
 
 def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False,
-                    prefill_graphs: bool = True, prefill_hold_tokens: int = 0) -> str:
+                    prefill_graphs: bool = True, prefill_hold_tokens: int = 0, only: list[str] | None = None) -> str:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.serve_bench import (CONSTRAINED_HEADER, PHASES_HEADER, SERVE_HEADER, Workload, bench_constrained,
@@ -404,6 +404,10 @@ def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constraine
                      Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
     else:
         workloads = standard_workloads(c)
+    if only:
+        workloads = [w for w in workloads if any(name in w.name for name in only)]
+        if not workloads:
+            raise SystemExit(f"no workload matches {only}")
     rows, phases = bench_serve(engine, workloads)
     return table(title, SERVE_HEADER, rows) + "\n" + table("Host time per step by phase (ms)", PHASES_HEADER, phases)
 
@@ -423,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
     ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
+    ap.add_argument("--workload", action="append", default=[],
+                    help="--serve: only the workloads whose name contains this (repeatable), e.g. '1 stream'")
     ap.add_argument("--eager-prefill", action="store_true", help="--serve: no prefill graphs (the A/B of them)")
     ap.add_argument("--prefill-hold-tokens", type=int, default=0,
                     help="--serve: new prompts beside decodes wait to share a prefill step (EngineConfig)")
@@ -435,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve:
         body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained,
-                               not args.eager_prefill, args.prefill_hold_tokens)
+                               not args.eager_prefill, args.prefill_hold_tokens, args.workload)
         where = (f"GPU: {torch.cuda.get_device_name()}" if args.device != "cpu" else "CPU") + f", torch {torch.__version__}"
         publish(f"Engine serving loop — {where}", "engine.bench", argv, body, args.out)
         return 0

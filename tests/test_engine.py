@@ -282,3 +282,15 @@ def test_a_higher_priority_request_passes_the_waiting_ones_of_lower_priority(tin
     assert order == ["chat-0", "chat-1"] + [f"line-{i}" for i in range(6)]
     batch = engine.scheduler.schedule()  # 16 tokens: one whole prompt this step
     assert [c.seq.request_id for c in batch.prefills] == ["chat-0"]
+
+
+def test_serve_bench_runs_only_the_workloads_asked_for(tmp_path):
+    """``engine.bench --serve --workload NAME``: the table holds that workload alone (a GPU bisect of one
+    workload costs seconds, not the whole set); a name that matches nothing is an error."""
+    from engine.bench import main
+    out = tmp_path / "b.md"
+    assert main(["--device", "cpu", "--serve", "--workload", "1 stream", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "workload" not in line]
+    assert rows and all(row.startswith("| 1 stream") for row in rows), rows
+    with pytest.raises(SystemExit, match="no workload"):
+        main(["--device", "cpu", "--serve", "--workload", "nothing like it", "--out", str(out)])
