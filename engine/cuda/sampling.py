@@ -99,7 +99,7 @@ LANE_BAND_ON = tl.constexpr(False)
 # A register cap for the filter variants (ptxas's .maxnreg). Uncapped, ptxas gives them 218-249 registers a thread:
 # two 4-warp programs an SM, where the plain variant has five, and a filtered row's single pass costs ~1.7x a plain
 # one at batch 1,024 (session 12). Capped at 168, three fit (36 bytes of spill stores); at 128, four (316 bytes).
-# None until measured (.gpu/c2.sh; .gpu/regs.py maxnreg=N prints the spills)
+# None until measured (.gpu/c.sh; .gpu/regs.py maxnreg=N prints the spills)
 FILTER_MAX_REGISTERS: int | None = None
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
