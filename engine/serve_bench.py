@@ -68,6 +68,10 @@ def run_workload(engine, w: Workload) -> dict:
     sent: dict[str, float] = {}
     last: dict[tuple, float] = {}
     ttft, itl = [], []
+    # the phases of the steps each request waited through before its first token (windows overlap: a mean
+    # a request, not a share of the wall)
+    before_first: dict[str, tuple[dict[str, float], int]] = {}
+    first_steps, first_phases = 0, dict.fromkeys(PHASES, 0.0)
 
     lengths: dict[int, int] = {}  # output tokens of request i
 
@@ -78,6 +82,7 @@ def run_workload(engine, w: Workload) -> dict:
             max_tokens=w.output_len, ignore_eos=True, temperature=w.temperature, top_p=w.top_p, seed=submitted)
         engine.add(Request(rid, prompt_of(submitted, w.prompt_len, vocab), params))
         sent[rid] = time.perf_counter()
+        before_first[rid] = (dict(engine.clock.seconds), engine.clock.steps)
         submitted += 1
 
     engine.clock.reset()
@@ -90,6 +95,11 @@ def run_workload(engine, w: Workload) -> dict:
         for out in outputs:
             key = (out.request_id, out.index)
             (itl.append(now - last[key]) if key in last else ttft.append(now - sent[out.request_id]))
+            if out.request_id in before_first:
+                seconds, steps = before_first.pop(out.request_id)
+                first_steps += engine.clock.steps - steps
+                for p in PHASES:
+                    first_phases[p] += engine.clock.seconds[p] - seconds[p]
             last[key] = now
             out_tokens += len(out.token_ids)
             number = int(out.request_id.rsplit("-", 1)[1])
@@ -102,16 +112,20 @@ def run_workload(engine, w: Workload) -> dict:
     engine.runner.step_events = None
     return {"wall_s": wall, "output_tokens": out_tokens, "prompt_tokens": w.num_requests * w.prompt_len,
             "busy": _busy_s(events) / wall, "ttft": ttft, "itl": itl, "lengths": lengths,
-            "host_ms": engine.clock.per_step_ms(), "steps": engine.clock.steps}
+            "host_ms": engine.clock.per_step_ms(), "steps": engine.clock.steps,
+            "first_steps": first_steps / max(1, len(ttft)),
+            "first_ms": {p: v / max(1, len(ttft)) * 1e3 for p, v in first_phases.items()}}
 
 
-PHASES_HEADER = ["workload", "steps", "step ms (wall)"] + [f"{p} ms" for p in PHASES]
+PHASES_HEADER = (["workload", "steps", "step ms (wall)"] + [f"{p} ms" for p in PHASES]
+                 + ["steps to a first token", "of its TTFT: launch / wait ms"])
 
 
 def phase_row(name: str, res: dict) -> list:
     """Host milliseconds per step by phase (engine.phases): where a host-bound step's time goes."""
     return ([name, res["steps"], f"{res['wall_s'] / max(1, res['steps']) * 1e3:.2f}"]
-            + [f"{res['host_ms'][p]:.2f}" for p in PHASES])
+            + [f"{res['host_ms'][p]:.2f}" for p in PHASES]
+            + [f"{res['first_steps']:.1f}", f"{res['first_ms']['launch']:.1f} / {res['first_ms']['wait']:.1f}"])
 
 
 def _busy_s(events: list[tuple]) -> float:

@@ -292,5 +292,6 @@ def test_serve_bench_runs_only_the_workloads_asked_for(tmp_path):
     assert main(["--device", "cpu", "--serve", "--workload", "1 stream", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "workload" not in line]
     assert rows and all(row.startswith("| 1 stream") for row in rows), rows
+    assert "steps to a first token" in out.read_text()  # the TTFT window by phase
     with pytest.raises(SystemExit, match="no workload"):
         main(["--device", "cpu", "--serve", "--workload", "nothing like it", "--out", str(out)])
