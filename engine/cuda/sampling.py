@@ -733,9 +733,9 @@ def _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, l
 
 @triton.jit
 def _lane_band_token(band_v, band_i, nb, b3, m, n_fin, k, top_p, lo, row_key, CAP: tl.constexpr):
-    """top_k (then top_p; min_p in lo) from the stats pass's band of every value above b3, when it decides:
-    at least k values in it, and top_k binding (fewer than k values from the top... k below what min_p
-    leaves: counted in the band when the floor lo is above b3, n_fin with no floor); else -1."""
+    """top_k (then top_p; min_p in lo) from the stats pass's band of every value above b3, when that decides:
+    at least k values in the band, and top_k binding — k below the number of values min_p keeps (counted in
+    the band when its floor lo is at or above b3, n_fin with no floor; unknown otherwise). Else -1."""
     token = -1
     if nb >= k:
         j = tl.arange(0, CAP)
