@@ -28,8 +28,8 @@ pointers = {"logits": "fp32", "slots": "i64", "fparams": "fp32", "iparams": "i64
             "out_lp": "fp32", "out_top_id": "i64", "out_top_lp": "fp32"}
 names = list(inspect.signature(kernel._sample_kernel.fn).parameters)
 cfg = kernel.config_for(65536)
-for stages in ({"FILTER": True, "LOGPROBS": False, "PREPARE": False}, {"FILTER": True, "LOGPROBS": True, "PREPARE": True},
-               {"FILTER": False, "LOGPROBS": False, "PREPARE": False}):
+for stages in ({"FILTER": f, "LOGPROBS": lp, "PREPARE": pr} for f in (True, False) for lp in (True, False)
+               for pr in (True, False)):
     signature = {n: f"*{pointers[n]}" if n in pointers else "constexpr" if n in ("CAP", "BLOCK", *stages) else "i32"
                  for n in names}
     aligned = [i for i, n in enumerate(names) if n in pointers or n in ("V", "stride")]
