@@ -68,10 +68,7 @@ def check_same_as_twin(vocab: int, kind: str, steps: int) -> None:
     for step in range(steps):
         logits = ROWS[kind](len(MIXES), vocab, gen)
         slots = torch.randperm(len(MIXES), generator=gen)
-        f = sampler._features()
-        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
-        want = sample_rows_ref(logits, slots, sampler.tables, f)
-        assert got.tokens.tolist() == want.tokens.tolist(), (vocab, kind, step, got.tokens, want.tokens)
+        got, want = twin_step(sampler, logits, slots, (vocab, kind, step))
         assert torch.equal(got.logprobs_k, want.logprobs_k)
         asked = want.logprobs_k >= 0
         assert torch.allclose(got.logprobs[asked], want.logprobs[asked], atol=1e-5), (vocab, kind, step)
@@ -83,6 +80,15 @@ def check_same_as_twin(vocab: int, kind: str, steps: int) -> None:
                 if kind in ("flat", "peaked"):
                     assert got.top_ids[row, :k].tolist() == want.top_ids[row, :k].tolist(), (vocab, kind, row)
         sampler._record(slots, want.tokens)
+
+
+def twin_step(sampler: Sampler, logits: torch.Tensor, slots: torch.Tensor, where: tuple):
+    """The kernel's and the twin's samples of one step (counters not advanced): the same tokens."""
+    f = sampler._features()
+    got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
+    want = sample_rows_ref(logits, slots, sampler.tables, f)
+    assert got.tokens.tolist() == want.tokens.tolist(), (*where, got.tokens, want.tokens)
+    return got, want
 
 
 def check_recording(vocab: int = 1000) -> None:
@@ -140,11 +146,8 @@ def check_masks(vocab: int = 1000) -> None:
         sampler.write_masks(torch.arange(len(params)), rows)
         logits = ROWS["peaked"](len(params), vocab, gen)
         slots = torch.randperm(len(params), generator=gen)
-        f = sampler._features()
-        assert f.mask
-        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
-        want = sample_rows_ref(logits, slots, sampler.tables, f)
-        assert got.tokens.tolist() == want.tokens.tolist(), (step, got.tokens, want.tokens)
+        assert sampler._features().mask
+        got, want = twin_step(sampler, logits, slots, ("masks", step))
         for row, slot in enumerate(slots.tolist()):
             if slot % 2 == 0:
                 assert allowed[slot, got.tokens[row]], (slot, int(got.tokens[row]))
@@ -225,13 +228,10 @@ def check_three_in_a_lane(vocab: int = 1000) -> None:
     params = [P(temperature=1.0, top_k=2 + i % 3) for i in range(48)]
     sampler = admit(vocab, params)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(4):
-        logits = three_in_a_lane(torch.randn(len(params), vocab, generator=gen))
+    for step in range(4):
         slots = torch.arange(len(params))
-        f = sampler._features()
-        got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel)
-        want = sample_rows_ref(logits, slots, sampler.tables, f)
-        assert got.tokens.tolist() == want.tokens.tolist(), (got.tokens, want.tokens)
+        _, want = twin_step(sampler, three_in_a_lane(torch.randn(len(params), vocab, generator=gen)), slots,
+                            ("three in a lane", step))
         sampler._record(slots, want.tokens)
 
 

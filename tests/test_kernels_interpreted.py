@@ -41,27 +41,13 @@ def test_sampling_kernel_compiles_for_hopper():
     """The interpreter runs any Python; the compiler also checks types (a loop-carried constant, a tensor
     where a pointer goes). Compiled here for sm_90 without a GPU; its streaming loops must stay pipelined."""
     triton = pytest.importorskip("triton")
-    import inspect
-
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.cuda.sampling import _sample_kernel, config_for
-    pointers = {"logits": "fp32", "slots": "i64", "fparams": "fp32", "iparams": "i64", "generated": "i64",
-                "bias_ids": "i64", "bias_vals": "fp32", "ban_ids": "i64", "counts": "i32", "in_prompt": "u8", "masks": "i32",
-                "scratch": "fp32", "band_v": "fp32", "band_i": "i32", "out_token": "i64", "out_k": "i64",
-                "out_lp": "fp32", "out_top_id": "i64", "out_top_lp": "fp32"}
-    names = list(inspect.signature(_sample_kernel.fn).parameters)
-    stages = {"FILTER": True, "LOGPROBS": True, "PREPARE": True}  # the variant with every stage
-    signature = {n: f"*{pointers[n]}" if n in pointers else "constexpr" if n in ("CAP", "BLOCK", *stages) else "i32"
-                 for n in names}
-    aligned = [i for i, n in enumerate(names) if n in pointers or n in ("V", "stride")]
-    cfg = config_for(65536)
-    src = ASTSource(fn=_sample_kernel, signature=signature,
-                    constexprs={"CAP": cfg.cap, "BLOCK": cfg.block, **stages},
-                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    from tests.kernel_source import sample_kernel_source
+    src, num_warps = sample_kernel_source({"FILTER": True, "LOGPROBS": True, "PREPARE": True})  # every stage
     try:
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps}).asm["ptx"]
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
     except RuntimeError as e:  # a triton without its CUDA compiler (ptxas) cannot say
         pytest.skip(f"no CUDA code generation here: {e}")
     assert "cp.async" in ptx
@@ -71,11 +57,11 @@ def test_sampling_kernel_compiles_for_hopper():
     for switch, other in (("RUNNERS_ON", False), ("LANE_BAND_ON", True)):  # the switches' other side compiles too
         setattr(kernel, switch, tl.constexpr(other))
         try:
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps}).asm["ptx"]
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
             assert "cp.async" in ptx, switch
         finally:
             setattr(kernel, switch, tl.constexpr(not other))
-    capped = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps, "maxnreg": 168})
+    capped = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": 168})
     assert ".maxnreg 168" in capped.asm["ptx"]  # FILTER_MAX_REGISTERS's launch option
     from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few plain rows
     split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
