@@ -32,7 +32,6 @@ ROWS = {  # logits of every kind the threshold search must survive
     "half -inf": lambda n, v, g: torch.where(torch.rand(n, v, generator=g) < 0.5, -math.inf,
                                              torch.randn(n, v, generator=g)),
     "all equal": lambda n, v, g: torch.zeros(n, v),
-    "three in a lane": lambda n, v, g: three_in_a_lane(torch.randn(n, v, generator=g)),
 }
 
 
