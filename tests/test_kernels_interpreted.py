@@ -12,29 +12,57 @@ import pytest
 from tests.queue_helpers import REPO
 
 
-def run_interpreted(module: str, success: str, *args: str) -> None:
-    """``python -m module`` under Triton's CPU interpreter; it must exit 0 and print ``success``."""
+# Each check is a process of its own under Triton's interpreter (CPU-bound, single-threaded): all start together
+# with the first test that needs one, so on CI's two cores they take about half the time they took one by one.
+CHECKS = {
+    "kernels": (("tests.kernel_check",), "kernel checks passed"),
+    "sampling": (("tests.sampling_check",), "sampling checks passed"),
+    "lane band": (("tests.sampling_check", "--lane-band"), "sampling checks passed (lane band)"),
+    "no runners-up": (("tests.sampling_check", "--no-runners-up"), "sampling checks passed (no runners-up)"),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """``python -m module args`` under the interpreter for every check, started at once; each test waits for
+    its own, which must exit 0 and print its success line."""
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert success in proc.stdout
+    logs = tmp_path_factory.mktemp("interpreted")
+    procs = {}
+    for name, (argv, _) in CHECKS.items():
+        out = open(logs / f"{name}.log", "w+")
+        procs[name] = (subprocess.Popen([sys.executable, "-m", *argv], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "TRITON_INTERPRET": "1"}), out)
+
+    def finish(name: str) -> None:
+        proc, out = procs[name]
+        proc.wait(timeout=900)
+        out.seek(0)
+        text = out.read()
+        assert proc.returncode == 0, text[-6000:]
+        assert CHECKS[name][1] in text
+
+    yield finish
+    for proc, out in procs.values():
+        proc.kill()
+        proc.wait()
+        out.close()
 
 
-def test_triton_kernels_match_torch_twins_under_the_interpreter():
-    run_interpreted("tests.kernel_check", "kernel checks passed")
+def test_triton_kernels_match_torch_twins_under_the_interpreter(interpreted):
+    interpreted("kernels")
 
 
-def test_sampling_kernel_matches_torch_twin_under_the_interpreter():
-    run_interpreted("tests.sampling_check", "sampling checks passed")
+def test_sampling_kernel_matches_torch_twin_under_the_interpreter(interpreted):
+    interpreted("sampling")
 
 
-def test_sampling_kernel_with_lane_band_matches_torch_twin_under_the_interpreter():
-    run_interpreted("tests.sampling_check", "sampling checks passed (lane band)", "--lane-band")
+def test_sampling_kernel_with_lane_band_matches_torch_twin_under_the_interpreter(interpreted):
+    interpreted("lane band")
 
 
-def test_sampling_kernel_without_runners_up_matches_torch_twin_under_the_interpreter():
-    run_interpreted("tests.sampling_check", "sampling checks passed (no runners-up)", "--no-runners-up")
+def test_sampling_kernel_without_runners_up_matches_torch_twin_under_the_interpreter(interpreted):
+    interpreted("no runners-up")
 
 
 def test_sampling_kernel_compiles_for_hopper():
