@@ -36,7 +36,7 @@ up() {
   for _ in $(seq 600); do
     python3 -c "import sys,urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/ready" > /dev/null 2>&1 && { echo "== up $port ready t=$(( $(date +%s) - T0 ))s"; return 0; }
     grep -q "exited; restarting" "$R/up-$port.log" && { echo "== up $port: a child crashed"; tail -5 "$R/up-$port.log"
-      tail -20 .gpu/cache/data-$port/logs/*.log; down; return 1; }
+      tail -n 20 .gpu/cache/data-$port/logs/*.log; down; return 1; }
     sleep 1
   done
   echo "== up $port NOT ready"; tail -20 "$R/up-$port.log"; return 1
