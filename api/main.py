@@ -21,6 +21,7 @@ from api.batch.service import BatchService, FileService
 from api.routers import (batches, chat, completions, dashboard, files, health, metrics, models, requests,
                          responses, tokenizer)
 from api.settings import Settings
+from engine.gc_policy import settle_heap
 from engine.tokenizer import WorldTokenizer
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ async def lifespan(app: FastAPI):
     app.state.async_requests = AsyncRequests(generation)
     app.state.files = FileService(broker.redis, DirectoryStore(settings.files_dir))
     app.state.batches = BatchService(broker.redis, app.state.files, settings)
+    settle_heap(settings.gc_young_threshold)  # what is loaded stays; a streamed chunk's objects die uncollected
     log.info("api started", extra={"model": settings.model_name, "auth": app.state.keys.enabled,
                                    "max_queue": settings.max_queue})
     try:

@@ -6,6 +6,8 @@ from fastapi import Request
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.gc_policy import YOUNG_THRESHOLD
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GAGGLE_", extra="ignore")
@@ -38,6 +40,7 @@ class Settings(BaseSettings):
     files_dir: str = ".gaggle/files"  # the file store, shared by the API and the batch workers
     batch_window: int = Field(4096, ge=1)  # a batch's lines in flight at a time
     batch_completion_window_s: int | None = Field(None, ge=1)  # tests: shorter than the "24h" clients ask for
+    gc_young_threshold: int = Field(YOUNG_THRESHOLD, ge=1)  # engine/gc_policy.py (GAGGLE_GC_YOUNG_THRESHOLD)
     log_level: str | None = None  # set: configure logging in each API process (uvicorn --workers spawns)
     log_format: str = "json"
 

@@ -8,13 +8,13 @@ allows: output tokens at the model-only decode rate of this batch plus prompt to
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from engine.gc_policy import settle_heap
 from engine.params import SamplingParams
 from engine.phases import PHASES
 from engine.sequence import Request
@@ -165,8 +165,7 @@ def pct(values: list[float], q: float) -> float:
 def bench_serve(engine, workloads: list[Workload]) -> tuple[list[list], list[list]]:
     """A row of the serving table and one of host time per phase, per workload."""
     engine.warm_up()
-    gc.collect()
-    gc.freeze()  # as the worker does: a full collection over the loaded engine stalls a step by ~0.2 s
+    settle_heap()  # as the worker does
     rows, phases = [], []
     for w in workloads:
         run_workload(engine, replace(w, num_requests=min(w.num_requests, max(4, w.concurrency // 4)),
@@ -216,8 +215,7 @@ def bench_constrained(engine, concurrency: int, num_requests: int, prompt_len: i
     mixed = Workload(f"{concurrency} streams, half constrained (10-field schema)", concurrency, num_requests,
                      prompt_len, free_len, make_params=mixed_params)
     engine.warm_up()
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     run_workload(engine, replace(mixed, num_requests=max(4, concurrency // 4), name="warm-up"))
     constrained = run_workload(engine, mixed)
     lengths = constrained["lengths"]

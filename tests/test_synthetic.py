@@ -74,13 +74,16 @@ def test_two_synthetic_workers_serve_every_request_once(redis_url):
 def test_scale_bench_counts_every_token_and_reply_channels_cut_redis_commands():
     """worker.scale_bench with 2 synthetic workers on one Redis: what the drivers receive is what the workers
     produced, and reply channels need a fraction of a per-request channel's commands per token (one PUBLISH per
-    write for all requests instead of one per request per step)."""
+    write for all requests instead of one per request per step). The workers run with CPython's default young
+    threshold (a flag passed through): their collections show in the GC column, read from their /metrics."""
     from worker.scale_bench import run
-    rows = {shared: run(2, rate=4000, seqs=32, drivers=1, output_len=32, warm_s=2.0, measure_s=3.0, shared=shared)
+    rows = {shared: run(2, rate=4000, seqs=32, drivers=1, output_len=32, warm_s=2.0, measure_s=3.0, shared=shared,
+                        worker_args=["--gc-young-threshold=700"])
             for shared in (False, True)}
     for row in rows.values():
         assert row["produced_tok_s"] > 2000, row  # both workers busy
         assert 0.9 < row["delivered_ratio"] < 1.1, row
+        assert row["worker_gc_ms_per_s"] > 0, row
     assert rows[False]["commands_per_token"] > 0.8, rows[False]  # ~1 PUBLISH a token
     assert rows[True]["commands_per_token"] < 0.5 * rows[False]["commands_per_token"], rows[True]
     assert rows[True]["tokens_per_publish"] > 5 * rows[False]["tokens_per_publish"]

@@ -427,4 +427,5 @@ def test_loop_stats_lines_add_up_to_the_run(r, redis_url, tiny_weights, caplog):
     assert sum(x["prompt_tokens"] for x in lines) == sum(res.prompt_tokens for res in results.values())
     assert sum(x["steps"] for x in lines) > 0 and any(x["wait_ms"] > 0 or x["launch_ms"] > 0 for x in lines)
     assert all({"running", "waiting", "free_slots", "inbox", "writer_backlog"} <= x.keys() for x in lines)
+    assert all(x["gc_ms_per_s"] >= 0 and x["gc_young"] >= 0 and x["gc_full"] >= 0 for x in lines)
     assert lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0

@@ -135,7 +135,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
                        interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover,
-                       log_stats_interval_s=args.log_stats_interval)
+                       log_stats_interval_s=args.log_stats_interval, gc_young_threshold=args.gc_young_threshold)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:
@@ -255,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or at once (step-end: the A/B)")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between 'loop stats' log lines (steps, step time by phase, tok/s, queues; 0: none)")
+    from engine.gc_policy import YOUNG_THRESHOLD
+    p.add_argument("--gc-young-threshold", type=int, default=YOUNG_THRESHOLD,
+                   help="allocations between the garbage collector's young collections once serving (CPython's "
+                        "default is 700; engine/gc_policy.py says why it is raised)")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--check", action="store_true",
                    help="exit 0 if the worker's heartbeat (--name; without it: any worker on this host) is fresh")

@@ -1,8 +1,8 @@
 """The worker's periodic "loop stats" log line (as vLLM logs its throughput every few seconds): what the main loop
 did since the last line — steps, their mean wall time and where the step thread's time went (the engine's phase
 clock: schedule, launch, wait for the device, grammar, postprocess), tokens generated and prompt tokens taken a
-second, requests started, and what is waiting where (engine queue, reader inbox, writer backlog). A served run
-then shows, in the worker's own log, what ``engine.bench --serve`` shows in-process."""
+second, requests started, the time the process spent in garbage collections (every thread's), and what is waiting
+where (engine queue, reader inbox, writer backlog). A served run then shows, in the worker's own log, what ``engine.bench --serve`` shows in-process."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Callable
 
+from engine.gc_policy import GcClock
 from engine.phases import PHASES, PhaseClock
 
 log = logging.getLogger(__name__)
@@ -17,15 +18,17 @@ log = logging.getLogger(__name__)
 
 class LoopStats:
     def __init__(self, worker_name: str, interval_s: float, clock: PhaseClock,
-                 gauges: Callable[[], dict[str, int]]):
+                 gauges: Callable[[], dict[str, int]], gc_clock: GcClock | None = None):
         """``gauges()``: the current queue sizes to report (running, waiting, free slots, inbox, writer backlog)."""
         self.worker_name = worker_name
         self.interval_s = interval_s
         self.clock = clock
         self.gauges = gauges
+        self.gc = gc_clock or GcClock()
         self._start = time.monotonic()
         self._phases = dict(clock.seconds)
         self._steps = clock.steps
+        self._gc_seconds, self._gc_collections = self.gc.seconds, list(self.gc.collections)
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -57,7 +60,11 @@ class LoopStats:
 
     def _mark(self, now: float) -> None:
         self._start, self._phases, self._steps = now, dict(self.clock.seconds), self.clock.steps
+        self._gc_seconds, self._gc_collections = self.gc.seconds, list(self.gc.collections)
         self._reset_counts()
+
+    def close(self) -> None:
+        self.gc.close()
 
     def report(self) -> dict:
         """Log the line now, covering the time since the last one; the values logged."""
@@ -72,6 +79,10 @@ class LoopStats:
         for phase in PHASES:  # the step thread's time a step, by phase
             spent = self.clock.seconds[phase] - self._phases.get(phase, 0.0)
             line[f"{phase}_ms"] = round(1e3 * spent / max(1, steps), 3)
+        # garbage collection, any thread: ms a second of wall time, and collections (young, oldest generation)
+        line["gc_ms_per_s"] = round(1e3 * (self.gc.seconds - self._gc_seconds) / elapsed, 3)
+        line["gc_young"] = self.gc.collections[0] - self._gc_collections[0]
+        line["gc_full"] = self.gc.collections[2] - self._gc_collections[2]
         line.update(self.gauges())
         log.info("loop stats", extra=line)
         self._mark(now)

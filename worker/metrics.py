@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,22 @@ class WorkerMetrics:
         self.redis_write_seconds = Histogram("gaggle_worker_redis_write_seconds", "One pipelined write round trip",
                                              ["worker"], buckets=STEP_BUCKETS, registry=r).labels(**labels)
         self.worker_name = worker_name
+        self._gc_clock = None
+        r.register(self)  # collect(): what is read at scrape time
+
+    def collect(self):
+        """The process's time in garbage collections (engine/gc_policy.py), read from the worker's clock."""
+        if self._gc_clock is not None:
+            family = CounterMetricFamily("gaggle_worker_gc_seconds", "Time in garbage collections, every thread",
+                                         labels=["worker"])
+            family.add_metric([self.worker_name], self._gc_clock.seconds)
+            yield family
+
+    def describe(self):
+        return []  # collected lazily: no name clash to check at registration
+
+    def attach_gc_clock(self, clock) -> None:
+        self._gc_clock = clock
 
     def on_step(self, seconds: float, num_outputs: int, running: int, free_slots: int) -> None:
         self.step_seconds.observe(seconds)

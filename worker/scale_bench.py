@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import redis
 
@@ -47,12 +47,19 @@ from worker.redis_server import RedisServer, free_port
 
 # -- the run ---------------------------------------------------------------------------------------------------
 
-def _worker_tokens(port: int) -> float:
+def _worker_counters(port: int) -> tuple[float, float]:
+    """A worker's generated tokens and its seconds in garbage collections so far (its ``/metrics``)."""
+    values = {}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith("gaggle_worker_generated_tokens_total"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+            for name in ("gaggle_worker_generated_tokens_total", "gaggle_worker_gc_seconds_total"):
+                if line.startswith(name):
+                    values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("gaggle_worker_generated_tokens_total", 0.0), values.get("gaggle_worker_gc_seconds_total", 0.0)
+
+
+def _worker_tokens(port: int) -> float:
+    return _worker_counters(port)[0]
 
 
 def _redis_snapshot(r: redis.Redis) -> dict:
@@ -77,13 +84,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def start_workers(url: str, n: int, rate: float, seqs: int, logs: str) -> list[tuple[subprocess.Popen, int]]:
+def start_workers(url: str, n: int, rate: float, seqs: int, logs: str,
+                  extra: Sequence[str] = ()) -> list[tuple[subprocess.Popen, int]]:
+    """``extra``: more ``gaggle worker`` flags (an A/B of a worker setting)."""
     workers = []
     for i in range(n):
         port = free_port()
         cmd = [sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
                "--engine", f"synthetic:{rate:g}", "--max-num-seqs", str(seqs), "--name", f"scale-w{i}",
-               "--metrics-port", str(port)]
+               "--metrics-port", str(port), *extra]
         with open(os.path.join(logs, f"worker-{i}.log"), "w") as log:
             workers.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log), port))
     return workers
@@ -100,11 +109,11 @@ def wait_workers(r: redis.Redis, n: int, timeout_s: float = 120.0) -> None:
 
 
 def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int, warm_s: float,
-        measure_s: float, shared: bool = True) -> dict:
+        measure_s: float, shared: bool = True, worker_args: Sequence[str] = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix="gaggle-scale-") as tmp:
         server = RedisServer(tmp).start()
         r = redis.Redis(port=server.port)
-        workers = start_workers(server.url, num_workers, rate, seqs, tmp)
+        workers = start_workers(server.url, num_workers, rate, seqs, tmp, worker_args)
         procs: list[multiprocessing.Process] = []
         try:
             wait_workers(r, num_workers)
@@ -120,11 +129,11 @@ def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int,
                 p.start()
                 procs.append(p)
             time.sleep(max(0.0, t_from - time.time()))
-            before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+            before = _redis_snapshot(r), [_worker_counters(p) for _, p in workers]
             cpu_before = [cpu_seconds(w.pid) for w, _ in workers], [cpu_seconds(p.pid) for p in procs]
             pings: list[float] = []
             _probe(redis.Redis(port=server.port), t_to, pings)
-            after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+            after = _redis_snapshot(r), [_worker_counters(p) for _, p in workers]
             cpu_after = [cpu_seconds(w.pid) for w, _ in workers], [cpu_seconds(p.pid) for p in procs]
             reports = [report.get(timeout=60) for _ in procs]
         finally:
@@ -134,7 +143,8 @@ def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int,
                 w.kill()
                 w.wait()
             server.stop()
-    produced = sum(after[1]) - sum(before[1])
+    produced = sum(t for t, _ in after[1]) - sum(t for t, _ in before[1])
+    gc_seconds = sum(g for _, g in after[1]) - sum(g for _, g in before[1])
     delivered = sum(rep["tokens"] for rep in reports)
     commands = {k: after[0]["commands"].get(k, 0) - before[0]["commands"].get(k, 0) for k in after[0]["commands"]}
     total_commands = sum(commands.values())
@@ -157,6 +167,7 @@ def run(num_workers: int, rate: float, seqs: int, drivers: int, output_len: int,
         "tokens_per_publish": delivered / max(1, sum(rep["publishes"] for rep in reports)),
         "worker_cores": (sum(cpu_after[0]) - sum(cpu_before[0])) / measure_s,
         "driver_cores": (sum(cpu_after[1]) - sum(cpu_before[1])) / measure_s,
+        "worker_gc_ms_per_s": 1e3 * gc_seconds / measure_s / num_workers,
     }
 
 
@@ -209,14 +220,14 @@ def api_server(redis_url: str, logs: str, processes: int, *extra: str) -> Iterat
 
 
 def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, client_procs: int, output_len: int,
-                 rounds: int) -> dict:
+                 rounds: int, worker_args: Sequence[str] = ()) -> dict:
     """The whole served path: the workers behind ``gaggle api`` (``api_procs`` processes), loaded by
     ``gaggle bench`` (closed loop, one stream per slot, ``rounds`` requests per slot)."""
     import json
     with tempfile.TemporaryDirectory(prefix="gaggle-scale-") as tmp:
         server = RedisServer(tmp).start()
         r = redis.Redis(port=server.port)
-        workers = start_workers(server.url, num_workers, rate, seqs, tmp)
+        workers = start_workers(server.url, num_workers, rate, seqs, tmp, worker_args)
         try:
             with api_server(server.url, tmp, api_procs) as (api, url):
                 wait_workers(r, num_workers)
@@ -331,14 +342,15 @@ def table(rows: list[dict]) -> str:
     head = ("| channels | workers × rate (slots) | produced tok/s | delivered tok/s | delivered / produced | "
             "Redis cores | Redis µs / token | capacity at 1 core, tok/s | commands / token (largest) | "
             "PING ms p50 / p99 | first delta ms p50 / p99 | delta gap ms p50 / p99 | tokens / PUBLISH | "
-            "worker / driver cores |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "worker / driver cores | GC ms / s a worker |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['channels']} | {r['workers']} × {r['rate']:,.0f} ({r['seqs']}) | {r['produced_tok_s']:,.0f} "
         f"| {r['delivered_tok_s']:,.0f} | {r['delivered_ratio']:.3f} | {r['redis_cores']:.2f} "
         f"| {r['redis_us_per_token']:.2f} | {1e6 / r['redis_us_per_token']:,.0f} "
         f"| {r['commands_per_token']:.3f} ({r['top_commands']}) | {r['ping_ms_p50']:.2f} / {r['ping_ms_p99']:.2f} "
         f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} | {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
-        f"| {r['tokens_per_publish']:.1f} | {r['worker_cores']:.2f} / {r['driver_cores']:.2f} |\n" for r in rows)
+        f"| {r['tokens_per_publish']:.1f} | {r['worker_cores']:.2f} / {r['driver_cores']:.2f} "
+        f"| {r['worker_gc_ms_per_s']:.0f} |\n" for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-procs", type=int, default=1, help="--tier api: API processes")
     ap.add_argument("--clients", type=int, default=1, help="--tier api: gaggle bench client processes")
     ap.add_argument("--rounds", type=int, default=4, help="--tier api: requests per slot")
+    ap.add_argument("--worker-arg", action="append", default=[],
+                    help="a further `gaggle worker` flag, e.g. --worker-arg=--gc-young-threshold=700 (repeatable)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
     args = ap.parse_args(argv)
     cores = os.cpu_count()
@@ -374,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for n in map(int, args.workers.split(",")):
             rows.append(run_api_tier(n, args.rate, args.seqs, args.api_procs, args.clients, args.output_len,
-                                     args.rounds))
+                                     args.rounds, args.worker_arg))
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
         publish(f"The served path under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench",
                 argv, api_table(rows) + "\n" + API_NOTES, args.out)
@@ -384,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in map(int, args.workers.split(",")):
         for shared in modes:
             drivers = args.drivers or max(1, n // 2)
-            rows.append(run(n, args.rate, args.seqs, drivers, args.output_len, args.warm_up, args.window, shared))
+            rows.append(run(n, args.rate, args.seqs, drivers, args.output_len, args.warm_up, args.window, shared,
+                            args.worker_arg))
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
     body = table(rows) + "\n" + NOTES
     publish(f"One Redis under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench", argv, body,
@@ -399,7 +414,8 @@ NOTES = (
     "delivered token; *capacity* is one core divided by it. *commands / token* counts every command Redis ran "
     "(workers' reads, PUBLISHes, results, acks, heartbeats; drivers' SUBSCRIBE, XADD, UNSUBSCRIBE) per produced "
     "token. Where workers and drivers need more cores than the machine has, produced falls short of "
-    "workers × rate: read the Redis columns, not the throughput.\n")
+    "workers × rate: read the Redis columns, not the throughput. *GC ms / s*: a worker's time in garbage "
+    "collections (any thread) a second of the window.\n")
 
 API_NOTES = (
     "`gaggle api` (its processes and their uvicorn children, CPU from /proc) in front of the synthetic workers, "

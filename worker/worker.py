@@ -8,7 +8,6 @@ between queues and the engine.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import secrets
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import redis
 
 from engine.engine import LLMEngine
+from engine.gc_policy import YOUNG_THRESHOLD, GcClock, settle_heap
 from engine.phases import PhaseClock
 from engine.sequence import Request
 from worker import contract as c
@@ -55,12 +55,15 @@ class WorkerConfig:
     # writer's Python runs while this thread waits for the device) or "step-end" (at once; for A/B runs)
     writer_handover: str = "after-launch"
     log_stats_interval_s: float = 10.0  # the "loop stats" log line (worker.loop_stats); 0: never
+    gc_young_threshold: int = YOUNG_THRESHOLD  # engine/gc_policy.py
 
     def __post_init__(self) -> None:
         if not self.name:
             self.name = unique_worker_name()
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
+        if self.gc_young_threshold < 1:  # 0 would turn the collector off: cycles would never be freed
+            raise ValueError("gc_young_threshold must be >= 1")
         if self.writer_handover not in HANDOVERS:
             raise ValueError(f"writer_handover must be one of {HANDOVERS}, got {self.writer_handover!r}")
 
@@ -90,13 +93,16 @@ class Worker:
         self._tokens_per_s = 0.0
         self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
         self._hold_outputs = cfg.writer_handover == "after-launch"
+        self.gc_clock = GcClock()
         self.stats = None if engine is None else LoopStats(  # engines without a phase clock report no phases
-            cfg.name, cfg.log_stats_interval_s, getattr(engine, "clock", None) or PhaseClock(), self._gauges)
+            cfg.name, cfg.log_stats_interval_s, getattr(engine, "clock", None) or PhaseClock(), self._gauges,
+            self.gc_clock)
         self._under_test: str | None = None
         self.metrics = None  # worker.metrics.WorkerMetrics when --metrics-port is given
 
     def attach_metrics(self, metrics) -> None:
         self.metrics = metrics
+        metrics.attach_gc_clock(self.gc_clock)
         self.io.on_write = metrics.on_write
 
     # -- lifecycle -----------------------------------------------------------------
@@ -116,10 +122,7 @@ class Worker:
 
     def run(self, burst: bool = False) -> None:
         """Serve until signalled (or, with ``burst``, until the streams and the engine are empty)."""
-        # What is loaded by now (torch, the model) lives as long as the process: keep the cyclic GC from
-        # scanning it again. A full collection of a loaded worker takes ~0.2 s, a stalled step.
-        gc.collect()
-        gc.freeze()
+        settle_heap(self.cfg.gc_young_threshold)
         self.io.start()
         log.info("worker started", extra={"worker": self.cfg.name, "device": self.device,
                                           "slots": self.engine.num_slots, "burst": burst})
@@ -162,6 +165,7 @@ class Worker:
     def _shutdown(self) -> None:
         if self.stats is not None and self.stats.interval_s > 0:
             self.stats.report()  # the last stretch, so that the lines add up to the whole run
+        self.gc_clock.close()
         self.reader.reading = False
         self.writer.flush(timeout_s=10.0)
         self._release_unfinished()

@@ -36,6 +36,7 @@ def chat_default_stop() -> list[str]:
 def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arrivals: list[float],
                     max_concurrency: int | None, sampling: dict) -> tuple[list[RequestRecord], float]:
     """Records of every request and the run's duration, after the engine's warm-up and one untimed request."""
+    from engine.gc_policy import settle_heap
     from engine.params import SamplingParams
     from engine.sequence import Request
     from engine.synthetic import parse_engine_spec
@@ -52,6 +53,7 @@ def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arri
     engine.add(request("warmup", 0))  # as vLLM's initial test request: compile, allocate, then time
     while engine.has_work():
         engine.step()
+    settle_heap()  # as the worker does before it serves
     return _timed_run(engine, request, prompts, arrivals, max_concurrency)
 
 
