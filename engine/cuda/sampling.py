@@ -45,7 +45,9 @@ the other: a probability-zero event for continuous noise.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +108,7 @@ FILTER_MAX_REGISTERS: int | None = None
 STAGES = tl.constexpr(3)
 FEW_ROWS = 256  # up to this many rows an exact variant runs the wide shape (``config_for``)
 SPLIT_ROWS = 16  # up to this many rows a plain exact step runs the split race
+WARM_UP_THREADS = min(8, os.cpu_count() or 1)  # warm_up's compiles at once (each mostly one core)
 NONE_YET = tl.constexpr(-(2 ** 63))  # the split race's empty slot (below every packed key)
 
 
@@ -970,7 +973,7 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     has_masks = f.mask and t.masks is not None
     prepare = f.bias or f.ban or has_pen or has_masks
     filtered = f.min_p or f.top_p or f.top_k
-    cfg = config_for(v, b, exact=not (filtered or f.logprobs), plain=not prepare)
+    cfg = _shape_of(f, v, b, prepare)
     if cfg.segments > 1:
         return _sample_split(logits, slots, t, ws, cfg, record, has_pen, counts)
     in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
@@ -1002,15 +1005,37 @@ def sample_rows_ref(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f:
     return sm.torch_sample(logits.float(), slots, t, f)
 
 
-def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int]) -> None:
+def _shape_of(f: Features, vocab_size: int, rows: int, prepare: bool) -> KernelConfig:
+    """The launch shape of a step with these stages (``prepare``: the processed row is written)."""
+    filtered = f.min_p or f.top_p or f.top_k
+    return config_for(vocab_size, rows, exact=not (filtered or f.logprobs), plain=not prepare)
+
+
+def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
+            threads: int = WARM_UP_THREADS) -> None:
     """Compile every variant of the kernel (``variant_features``) and launch each once per batch size (outputs
-    dropped, counters untouched): what differs per row within a variant is branched on at run time."""
+    dropped, counters untouched): what differs per row within a variant is branched on at run time.
+
+    A cold compile of a filter variant takes tens of seconds of one core, and Triton's compiler releases the GIL
+    while it works (the 8 variants for sm_90 on this project's 2-core VM: 153 s one after another, 80 s in two
+    threads): so one launch per compiled kernel (variant and launch shape; the batch size is not specialised
+    on) runs first in a thread pool, then every (variant, batch size) once more, from the compiled kernels."""
     v = ws.vocab_size
-    for b in batch_sizes:
+    jobs = [(f, b) for b in batch_sizes for f in variant_features()]
+
+    def launch(job: tuple[Features, int]) -> None:
+        if ws.device.type == "cuda":
+            torch.cuda.set_device(ws.device)  # a new thread starts on the first device
+        f, b = job
         logits = torch.zeros(b, v, dtype=torch.float32, device=ws.device)
-        slots = torch.arange(b, device=ws.device) % t.fparams.shape[0]
-        for f in variant_features():
-            sample_rows(logits, slots, t, f, ws)
+        sample_rows(logits, torch.arange(b, device=ws.device) % t.fparams.shape[0], t, f, ws)
+
+    firsts = {(f, _shape_of(f, v, b, f.bias or f.ban)): (f, b) for f, b in reversed(jobs)}  # the smallest b each
+    if threads > 1 and len(firsts) > 1 and ws.device.type == "cuda":  # (the interpreter compiles nothing)
+        with ThreadPoolExecutor(min(threads, len(firsts)), thread_name_prefix="sampler-compile") as pool:
+            list(pool.map(launch, firsts.values()))  # list(): a thread's error is raised here
+    for job in jobs:
+        launch(job)
 
 
 def variant_features() -> list[Features]:
