@@ -1019,7 +1019,8 @@ def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
     A cold compile of a filter variant takes tens of seconds of one core, and Triton's compiler releases the GIL
     while it works (the 8 variants for sm_90 on this project's 2-core VM: 153 s one after another, 80 s in two
     threads): so one launch per compiled kernel (variant and launch shape; the batch size is not specialised
-    on) runs first in a thread pool, then every (variant, batch size) once more, from the compiled kernels."""
+    on) comes first, the filter variants' in a thread pool, then every (variant, batch size) once more, from
+    the compiled kernels."""
     v = ws.vocab_size
     jobs = [(f, b) for b in batch_sizes for f in variant_features()]
 
@@ -1031,9 +1032,15 @@ def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
         sample_rows(logits, torch.arange(b, device=ws.device) % t.fparams.shape[0], t, f, ws)
 
     firsts = {(f, _shape_of(f, v, b, f.bias or f.ban)): (f, b) for f, b in reversed(jobs)}  # the smallest b each
-    if threads > 1 and len(firsts) > 1 and ws.device.type == "cuda":  # (the interpreter compiles nothing)
-        with ThreadPoolExecutor(min(threads, len(firsts)), thread_name_prefix="sampler-compile") as pool:
-            list(pool.map(launch, firsts.values()))  # list(): a thread's error is raised here
+    slow = [(f, b) for f, b in firsts.values() if f.min_p or f.top_p or f.top_k]  # the filter variants
+    if threads > 1 and len(slow) > 1 and ws.device.type == "cuda":  # (the interpreter compiles nothing)
+        # the quick ones here first: each kernel's first launch builds Triton's per-device cache of it, which
+        # threads launching it for the first time at once would each build
+        for job in firsts.values():
+            if job not in slow:
+                launch(job)
+        with ThreadPoolExecutor(min(threads, len(slow)), thread_name_prefix="sampler-compile") as pool:
+            list(pool.map(launch, slow))  # list(): a thread's error is raised here
     for job in jobs:
         launch(job)
 
