@@ -12,7 +12,7 @@ for t in 700 50000 700; do
   grep '"loop stats"' .gpu/cache/data-8000/logs/worker-*.log > "$R/loopstats-$i-gc$t.log"
   down
 done
-for f in "$R"/served-*-gc*.log; do echo "$f"; sed -n 9,9p "$f"; sed -n 13p "$f"; sed -n 22p "$f"; done
+for f in "$R"/served-*-gc*.log; do echo "$f"; sed -n 9p "$f"; sed -n 13p "$f"; sed -n 23p "$f"; done
 step engine-only 200 $GAGGLE bench --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 \
   --num-prompts 4096 --max-concurrency 1024 $W --save-result "$R/engine-only.json"
 sed -n 9p "$R/engine-only.log"; sed -n 21,23p "$R/engine-only.log"
