@@ -429,3 +429,23 @@ def test_loop_stats_lines_add_up_to_the_run(r, redis_url, tiny_weights, caplog):
     assert all({"running", "waiting", "free_slots", "inbox", "writer_backlog"} <= x.keys() for x in lines)
     assert all(x["gc_ms_per_s"] >= 0 and x["gc_young"] >= 0 and x["gc_full"] >= 0 for x in lines)
     assert lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0
+
+
+def test_the_workers_threads_carry_their_names_in_the_os():
+    """top -H / ps -L show which of the worker's threads is busy: the I/O threads name themselves to the kernel."""
+    import sys
+    import threading
+
+    from worker.redis_io import _named
+    if not sys.platform.startswith("linux"):
+        pytest.skip("thread names in /proc: Linux")
+    seen = []
+
+    def read_own_name(_stop):
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            seen.append(f.read().strip())
+
+    t = threading.Thread(target=_named(read_own_name, "gaggle-writer"), args=(None,))
+    t.start()
+    t.join()
+    assert seen == ["gaggle-writer"]
