@@ -209,6 +209,11 @@ class Features:
                    mask=any(p.structured is not None for p, _ in live))
 
     @property
+    def filtered(self) -> bool:
+        """A truncation filter runs (min_p, top_p or top_k): the kernel's filter variants."""
+        return self.min_p or self.top_p or self.top_k
+
+    @property
     def plain_greedy(self) -> bool:
         """Every row greedy and nothing else asked: the token is the row's argmax (the lowest id among equal
         maxima, as the kernel picks)."""

@@ -52,7 +52,8 @@ def test_the_loop_stats_line_reports_the_collections_since_the_last_line(restore
     from engine.phases import PhaseClock
     from worker.loop_stats import LoopStats
     gc.set_threshold(10**9, 10, 10)  # no automatic collection in between: only the ones below
-    stats = LoopStats("w", 10.0, PhaseClock(), lambda: {})
+    clock = GcClock()
+    stats = LoopStats("w", 10.0, PhaseClock(), lambda: {}, clock)
     try:
         gc.collect(0)
         gc.collect(0)
@@ -62,4 +63,4 @@ def test_the_loop_stats_line_reports_the_collections_since_the_last_line(restore
         line = stats.report()
         assert (line["gc_young"], line["gc_full"]) == (0, 1)
     finally:
-        stats.close()
+        clock.close()

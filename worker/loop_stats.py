@@ -1,8 +1,9 @@
 """The worker's periodic "loop stats" log line (as vLLM logs its throughput every few seconds): what the main loop
 did since the last line — steps, their mean wall time and where the step thread's time went (the engine's phase
 clock: schedule, launch, wait for the device, grammar, postprocess), tokens generated and prompt tokens taken a
-second, requests started, the time the process spent in garbage collections (every thread's), and what is waiting
-where (engine queue, reader inbox, writer backlog). A served run then shows, in the worker's own log, what ``engine.bench --serve`` shows in-process."""
+second, requests started, the time the process spent in garbage collections (every thread's), and what is
+waiting where (engine queue, reader inbox, writer backlog). A served run then shows, in the worker's own log, what
+``engine.bench --serve`` shows in-process."""
 
 from __future__ import annotations
 
@@ -18,18 +19,15 @@ log = logging.getLogger(__name__)
 
 class LoopStats:
     def __init__(self, worker_name: str, interval_s: float, clock: PhaseClock,
-                 gauges: Callable[[], dict[str, int]], gc_clock: GcClock | None = None):
-        """``gauges()``: the current queue sizes to report (running, waiting, free slots, inbox, writer backlog)."""
+                 gauges: Callable[[], dict[str, int]], gc_clock: GcClock):
+        """``gauges()``: the current queue sizes to report (running, waiting, free slots, inbox, writer backlog);
+        ``gc_clock``: the process's time in collections (its owner closes it)."""
         self.worker_name = worker_name
         self.interval_s = interval_s
         self.clock = clock
         self.gauges = gauges
-        self.gc = gc_clock or GcClock()
-        self._start = time.monotonic()
-        self._phases = dict(clock.seconds)
-        self._steps = clock.steps
-        self._gc_seconds, self._gc_collections = self.gc.seconds, list(self.gc.collections)
-        self._reset_counts()
+        self.gc = gc_clock
+        self._mark(time.monotonic())
 
     def _reset_counts(self) -> None:
         self.step_s = 0.0
@@ -62,9 +60,6 @@ class LoopStats:
         self._start, self._phases, self._steps = now, dict(self.clock.seconds), self.clock.steps
         self._gc_seconds, self._gc_collections = self.gc.seconds, list(self.gc.collections)
         self._reset_counts()
-
-    def close(self) -> None:
-        self.gc.close()
 
     def report(self) -> dict:
         """Log the line now, covering the time since the last one; the values logged."""

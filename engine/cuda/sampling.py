@@ -972,7 +972,6 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     counts = t.output_counts if has_pen else ws.dummy
     has_masks = f.mask and t.masks is not None
     prepare = f.bias or f.ban or has_pen or has_masks
-    filtered = f.min_p or f.top_p or f.top_k
     cfg = _shape_of(f, v, b, prepare)
     if cfg.segments > 1:
         return _sample_split(logits, slots, t, ws, cfg, record, has_pen, counts)
@@ -991,9 +990,9 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
-            max(top_w, 1), FILTER=filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
+            max(top_w, 1), FILTER=f.filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
             CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps,
-            **({"maxnreg": FILTER_MAX_REGISTERS} if filtered and FILTER_MAX_REGISTERS else {}))
+            **({"maxnreg": FILTER_MAX_REGISTERS} if f.filtered and FILTER_MAX_REGISTERS else {}))
     if not f.logprobs:
         return DeviceSample(tokens)
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
@@ -1007,8 +1006,7 @@ def sample_rows_ref(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f:
 
 def _shape_of(f: Features, vocab_size: int, rows: int, prepare: bool) -> KernelConfig:
     """The launch shape of a step with these stages (``prepare``: the processed row is written)."""
-    filtered = f.min_p or f.top_p or f.top_k
-    return config_for(vocab_size, rows, exact=not (filtered or f.logprobs), plain=not prepare)
+    return config_for(vocab_size, rows, exact=not (f.filtered or f.logprobs), plain=not prepare)
 
 
 def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
@@ -1032,7 +1030,7 @@ def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
         sample_rows(logits, torch.arange(b, device=ws.device) % t.fparams.shape[0], t, f, ws)
 
     firsts = {(f, _shape_of(f, v, b, f.bias or f.ban)): (f, b) for f, b in reversed(jobs)}  # the smallest b each
-    slow = [(f, b) for f, b in firsts.values() if f.min_p or f.top_p or f.top_k]  # the filter variants
+    slow = [(f, b) for f, b in firsts.values() if f.filtered]
     if threads > 1 and len(slow) > 1 and ws.device.type == "cuda":  # (the interpreter compiles nothing)
         # the quick ones here first: each kernel's first launch builds Triton's per-device cache of it, which
         # threads launching it for the first time at once would each build
