@@ -79,4 +79,3 @@ def set_native_thread_name(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
-

@@ -58,10 +58,6 @@ def _worker_counters(port: int) -> tuple[float, float]:
     return values.get("gaggle_worker_generated_tokens_total", 0.0), values.get("gaggle_worker_gc_seconds_total", 0.0)
 
 
-def _worker_tokens(port: int) -> float:
-    return _worker_counters(port)[0]
-
-
 def _redis_snapshot(r: redis.Redis) -> dict:
     cpu = r.info("cpu")
     stats = r.info("commandstats")
@@ -234,7 +230,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
                 _wait_ready(url, num_workers)
                 concurrency = num_workers * seqs
                 saved = os.path.join(tmp, "bench.json")
-                before = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+                before = _redis_snapshot(r), [_worker_counters(p)[0] for _, p in workers]
                 cpu_before = tree_cpu_seconds(api.pid), sum(cpu_seconds(w.pid) for w, _ in workers)
                 t0 = time.time()
                 subprocess.run([sys.executable, "-m", "worker.cli", "bench", "--base-url", url, "--num-prompts",
@@ -242,7 +238,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
                                 "--output-len", str(output_len), "--ignore-eos", "--client-processes",
                                 str(client_procs), "--save-result", saved], check=True, stdout=subprocess.DEVNULL)
                 wall = time.time() - t0
-                after = _redis_snapshot(r), [_worker_tokens(p) for _, p in workers]
+                after = _redis_snapshot(r), [_worker_counters(p)[0] for _, p in workers]
                 cpu_after = tree_cpu_seconds(api.pid), sum(cpu_seconds(w.pid) for w, _ in workers)
                 with open(saved) as f:
                     result = json.load(f)
