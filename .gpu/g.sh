@@ -16,3 +16,4 @@ for f in "$R"/served-*-gc*.log; do echo "$f"; sed -n 9p "$f"; sed -n 13p "$f"; s
 step engine-only 200 $GAGGLE bench --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 \
   --num-prompts 4096 --max-concurrency 1024 $W --save-result "$R/engine-only.json"
 sed -n 9p "$R/engine-only.log"; sed -n 21,23p "$R/engine-only.log"
+pack

@@ -1021,10 +1021,12 @@ def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
     the compiled kernels."""
     v = ws.vocab_size
     jobs = [(f, b) for b in batch_sizes for f in variant_features()]
+    # a new thread starts on the first device; "cuda" (no index) means the calling thread's current one
+    index = ws.device.index if ws.device.type != "cuda" or ws.device.index is not None else torch.cuda.current_device()
 
     def launch(job: tuple[Features, int]) -> None:
         if ws.device.type == "cuda":
-            torch.cuda.set_device(ws.device)  # a new thread starts on the first device
+            torch.cuda.set_device(index)
         f, b = job
         logits = torch.zeros(b, v, dtype=torch.float32, device=ws.device)
         sample_rows(logits, torch.arange(b, device=ws.device) % t.fparams.shape[0], t, f, ws)
