@@ -13,3 +13,4 @@ for s in "${SETTINGS[@]}" "" "LANE_BAND_ON=on" "FILTER_MAX_REGISTERS=168"; do
   TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$RANDOM" 100 python3 .gpu/switch_ab.py $s
 done
 for f in "$R"/ab-*.log; do echo "$f"; grep -E "top_p|top_k|min_p|T=1 \||penal|logprobs" "$f"; done
+pack

@@ -6,3 +6,4 @@ for n in 1 64 256 1024; do
     --workload "1 stream" --out "$R/ttft-$n.md"
   grep "1 stream" "$R/ttft-$n.md"
 done
+pack
