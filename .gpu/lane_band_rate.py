@@ -1,4 +1,4 @@
-"""How often a top_k row takes the lane band (``LANE_BAND_ON``) at vocabulary 65,536 and the kernel's block of
+"""How often a top_k row takes the lane band (on since session 14) at vocabulary 65,536 and the kernel's block of
 1,024 lanes: the share of Gaussian rows with at least k values above b3 (the largest of the lanes' third values)
 and at most CAP = 1,024 of them. python .gpu/lane_band_rate.py [ROWS]; CPU, a few seconds."""
 import sys

@@ -156,19 +156,22 @@ def check_masks(vocab: int = 1000) -> None:
 
 def check_exact_rows_across_shapes(vocab: int = 1000) -> None:
     """Steps with no filters and no logprobs switch launch shape with their size (``config_for``: the split race
-    for very few plain rows, the wide shape for a few, the small one for many): a row's token must not notice,
-    at a batch size in each, and must equal the twin's; with penalties and bias (a processed row) as well."""
+    for very few rows, the wide shape for a few, the small one for many): a row's token must not notice, at a
+    batch size in each, and must equal the twin's; with penalties, bias and a ban (a processed row) as well."""
     plain = [P(temperature=1.0), P(temperature=0.0), P(temperature=1.3, seed=5), P(temperature=0.7)]
     processed = [P(temperature=1.3, repetition_penalty=1.2), P(temperature=0.0, logit_bias={5: 4.0}),
                  P(temperature=0.8, presence_penalty=0.5, logit_bias={3: 2.0, 7: -100.0})]
     for target, neighbours in ((P(temperature=1.0), plain), (P(temperature=0.0), plain),
-                               (P(temperature=1.0, frequency_penalty=0.3, logit_bias={11: 3.0}), processed)):
-        with_prepare = target.needs_penalties or bool(target.logit_bias)
+                               (P(temperature=1.0, frequency_penalty=0.3, logit_bias={11: 3.0}), processed),
+                               # bias and ban entries past the split race's first segment (each program writes its own)
+                               (P(temperature=1.0, logit_bias={700: 6.0, 300: 2.0}, min_tokens=2,
+                                  stop_token_ids=[600, 5]), processed)):
+        with_prepare = target.needs_penalties or bool(target.logit_bias)  # (the ban comes with a bias here)
         shapes = {}
         for n in range(1, 64):  # the smallest batch of each shape, and one past the last switch
             shapes.setdefault(config_for(vocab, n, exact=True, plain=not with_prepare), n)
         batches = sorted(shapes.values()) + [max(shapes.values()) + 3]
-        assert len(batches) >= (4 if not with_prepare else 3), shapes
+        assert len(batches) >= 4, shapes  # split, wide, small, and past the last switch
         gen = torch.Generator().manual_seed(8)
         seq = [torch.randn(vocab, generator=gen) for _ in range(2)]
         runs = []
@@ -195,32 +198,6 @@ def check_warm_up() -> None:
     assert torch.equal(sampler._generated, before)
 
 
-def check_without_runners_up() -> None:
-    """The kernel with its runners-up path off (``RUNNERS_ON``: the two-probe path, then the search) against the
-    twin: top_p and min_p rows whose race winner is not kept search for the kept set."""
-    import triton.language as tl
-
-    import engine.cuda.sampling as kernel
-    kernel.RUNNERS_ON = tl.constexpr(False)  # read when the (interpreted) kernel runs
-    check_twin_on_every_kind()
-    check_batch_invariance()
-
-
-def check_with_lane_band() -> None:
-    """The kernel with its lane band on (``LANE_BAND_ON``: top_k rows from the stats pass's band when at least
-    k values lie above b3) against the twin; the vocabularies here take it for small k and fall back for
-    large k."""
-    import triton.language as tl
-
-    import engine.cuda.sampling as kernel
-    kernel.LANE_BAND_ON = tl.constexpr(True)  # read when the (interpreted) kernel runs
-    kernel.FILTER_MAX_REGISTERS = 168  # and the register cap's launch path
-    check_twin_on_every_kind()
-    check_same_as_twin(4096, "peaked", steps=1)
-    check_three_in_a_lane()
-    check_batch_invariance()
-
-
 def check_three_in_a_lane(vocab: int = 1000) -> None:
     """Rows whose three largest values share a lane, under top_k 2 / 3 / 4: a lane band that lost the third
     (the value pushed down from second) would miss a kept value and sample another in its place."""
@@ -240,20 +217,11 @@ def check_twin_on_every_kind() -> None:
     check_same_as_twin(4096, "flat", steps=1)
 
 
-if __name__ == "__main__" and "--lane-band" in sys.argv:
-    check_with_lane_band()
-    print("sampling checks passed (lane band)")
-    sys.exit(0)
-
-if __name__ == "__main__" and "--no-runners-up" in sys.argv:
-    check_without_runners_up()
-    print("sampling checks passed (no runners-up)")
-    sys.exit(0)
-
 if __name__ == "__main__":
     check_hash()
     check_twin_on_every_kind()
     check_same_as_twin(4096, "peaked", steps=1)
+    check_three_in_a_lane()
     check_recording()
     check_batch_invariance()
     check_exact_rows_across_shapes()

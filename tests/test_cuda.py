@@ -504,19 +504,28 @@ def test_cuda_sampler_is_deterministic_and_batch_invariant():
     assert len(set(seen)) == 1, seen
 
 
-def test_exact_rows_take_one_token_in_every_launch_shape():
-    """Plain T=1 rows (no filters, logprobs or processed values) run the split race alone or among few, the
-    wide shape up to 256 rows and the small one beyond: a row gets the same token in all three, and the rows
-    of each batch agree with the torch path (near-ties aside)."""
+EXACT_ROWS = {  # rows with no filters or logprobs: plain, and processed (penalties, bias and a ban across the row)
+    "plain": dict(temperature=1.0),
+    "processed": dict(temperature=1.0, repetition_penalty=1.3, logit_bias={100: 2.0, 40000: 5.0, 65000: 4.0},
+                      min_tokens=1, stop_token_ids=[3, 50000]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EXACT_ROWS))
+def test_exact_rows_take_one_token_in_every_launch_shape(kind):
+    """T=1 rows with no filters or logprobs run the split race alone or among few (processed rows too: each
+    program processes its own segment), the wide shape up to 256 rows and the small one beyond: a row gets the
+    same token in all three, and the rows of each batch agree with the torch path (near-ties aside)."""
     from engine.cuda.sampling import FEW_ROWS, SPLIT_ROWS, config_for
     from engine.params import SamplingParams
+    params = SamplingParams(**EXACT_ROWS[kind])
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     row = torch.randn(65536, device=DEVICE, generator=gen) * 3
     shapes, tokens, agree, total = set(), set(), 0, 0
     for batch in (1, SPLIT_ROWS, FEW_ROWS, 1024):
-        shapes.add(config_for(65536, batch, exact=True, plain=True))
-        sampler = admitted_sampler([SamplingParams(temperature=1.0)] * batch)
-        sampler.reset_slot(batch - 1, SamplingParams(temperature=1.0), seed=99, prompt_token_ids=[1])
+        shapes.add(config_for(65536, batch, exact=True, plain=kind == "plain"))
+        sampler = admitted_sampler([params] * batch)
+        sampler.reset_slot(batch - 1, params, seed=99, prompt_token_ids=[1])
         logits = torch.randn(batch, 65536, device=DEVICE, generator=gen)
         logits[batch - 1] = row
         slots = torch.arange(batch, device=DEVICE)

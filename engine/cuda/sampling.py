@@ -10,17 +10,17 @@ at a time. Per row:
    then rewritten from their raw logits: nothing matches ids against ids); later passes read it there.
 2. the stats pass: max and greedy argmax, count / mean / std / min of the finite values, raw log-sum-exp and
    top-k raw logprobs when asked, and for rows without top_k the race over every token (winner ``w``).
-   Greedy and plain-temperature rows end here: one pass. With ``LANE_BAND_ON`` (off until measured) top_k
-   rows also keep each lane's two largest values: when k of them lie above the largest of the lanes' third
-   values, they are the band of step 4 already (about 98% of rows at k = 50, vocabulary 65,536), no search.
+   Greedy and plain-temperature rows end here: one pass. top_k rows also keep each lane's two largest
+   values (the lane band): when k of them lie above the largest of the lanes' third values, they are the band
+   of step 4 already (about 98% of rows at k = 50, vocabulary 65,536), no search.
 3. the threshold: ``kept(t) = #{s > t} < top_k and mass{s > t} < top_p * Z`` holds exactly for the values
    the sorted rule keeps (ties at the threshold kept) and is monotone in t. A probe pass evaluates it at up
    to 8 values at once and narrows a bracket ``(lo, hi]`` (<= lo dropped, > hi kept); probes go around a
    Gaussian guess, then the interpolated crossing, plus even splits, so a bracket always shrinks.
    top_p rows first test ``w`` (2 probes: lo, min_p's floor, gives Z; and w's value): a kept ``w`` is the
    answer (p ~ top_p of rows) and the row is done after 2 passes. min_p alone: ``w`` unless under the floor.
-   With ``RUNNERS_ON`` (on since session 12) the race also keeps its next best keys, and the best kept of them
-   answers most of the rest without a search (the race over the kept set is its best key).
+   The race also keeps its next best keys (the runners-up), and the best kept of them answers most of the
+   rest without a search (the race over the kept set is its best key).
 4. when at most ``cap`` values lie in the bracket (or above lo: then top_k's own mass, the Z top_p needs
    after top_k, is there too), one pass copies them to the program's band buffer and races the values above
    hi; the band is sorted, tau read off its cumulative counts and masses as the sorted rule reads them, and
@@ -85,29 +85,30 @@ TOP_LOGPROBS = tl.constexpr(32)  # raw top-k buffer: MAX_LOGPROBS (20) rounded u
 TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
 # race keys kept beside the winner for top_p / min_p rows: when the winner is not kept, the best of these that is
 # is the answer (the race over the kept set is its best key), found with one probe pass instead of a search.
-# RUNNERS_ON: the filter variant's registers go 168 -> 218 a thread at 4 warps (fewer programs an SM), against up to
-# three fewer passes for the rows whose winner is not kept. Session 12 on the H200 (batch 1,024): top_p 0.9
-# 0.92 / 0.84 -> 0.65 / 0.65 ms (flat / peaked); top_k and min_p no better, in a process whose unchanged variants
-# ran 12-16% slower (engine.bench's sampler table, BENCHMARKS). Off: the two-probe path (tested under the
-# interpreter: tests.sampling_check --no-runners-up)
+# Session 12 on the H200 (batch 1,024): top_p 0.9 0.92 / 0.84 -> 0.65 / 0.65 ms (flat / peaked); session 14's
+# interleaved A/B: without them 0.94, with 0.62-0.69 (BENCHMARKS). The filter variant's registers: 168 -> 218 a
+# thread (two 4-warp programs an SM either way; capping them at 168 or 128 measured no better, session 14).
 RUNNERS = tl.constexpr(4)
-RUNNERS_ON = tl.constexpr(True)
-# LANE_BAND_ON: top_k rows keep each lane's two largest values in the stats pass (and the largest of the lanes'
-# third ones, b3): every value above b3 is then among those candidates, so when at least k of them are, the band
-# is written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
-# compact pass (3 in all). Exact either way: too few candidates above b3 (large k) falls back to the search.
-# Off until measured on a GPU (more registers in the filter variant, against two fewer passes a top_k row)
-LANE_BAND_ON = tl.constexpr(False)
-# A register cap for the filter variants (ptxas's .maxnreg). Uncapped, ptxas gives them 218-249 registers a thread:
-# two 4-warp programs an SM, where the plain variant has five, and a filtered row's single pass costs ~1.7x a plain
-# one at batch 1,024 (session 12). Capped at 168, three fit (36 bytes of spill stores); at 128, four (316 bytes).
-# None until measured (.gpu/c.sh; .gpu/regs.py maxnreg=N prints the spills)
-FILTER_MAX_REGISTERS: int | None = None
+# The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
+# third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
+# written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
+# compact pass. Exact either way: too few candidates above b3 (large k) falls back to the search. Session 14 on
+# the H200: top_k 50 0.71 -> 0.38-0.53 ms at batch 1,024, 0.20 -> 0.10 at batch 1 (BENCHMARKS).
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
 FEW_ROWS = 256  # up to this many rows an exact variant runs the wide shape (``config_for``)
+# The launch shape of the variants whose sums depend on it (filters, logprobs), one for every batch size (batch
+# invariance), as (block, num_warps, programs an SM); None: the exact variants' shape for many rows. A filter
+# variant holds 218-249 registers a thread at 4 warps (two programs an SM, 8 warps: latency-bound); more warps a
+# program split its lane arrays over more threads (.gpu/regs.py prints each shape's registers). None until
+# measured on a GPU (.gpu/c.sh times the candidates)
+INEXACT_SHAPE: tuple[int, int, int] | None = None
 SPLIT_ROWS = 16  # up to this many rows a plain exact step runs the split race
+# and a step with processed rows (penalties, bias, a ban, a grammar mask) too, each program processing its own
+# segment first: penalties + logit_bias at batch 1 took 0.114 ms in the wide shape (two passes on one SM;
+# session 14). On until the H200 says otherwise (.gpu/c.sh times it off)
+SPLIT_PREPARED = True
 WARM_UP_THREADS = min(8, os.cpu_count() or 1)  # warm_up's compiles at once (each mostly one core)
 NONE_YET = tl.constexpr(-(2 ** 63))  # the split race's empty slot (below every packed key)
 
@@ -130,12 +131,12 @@ def config_for(vocab_size: int, rows: int = 0, exact: bool = False, plain: bool 
     """The launch shape for a step of ``rows`` rows. ``exact``: the variant has no filters and no logprobs, so
     each row's token is the race's winner or the argmax, the same however the row is chunked and summed: only
     those may switch shape with the batch's size (few rows: one wide program an SM each, lower latency a row;
-    ``plain`` — no processed row either — and very few: each row split over several programs). Every other
-    variant has one shape per vocabulary size, so its rows never depend on their batch."""
+    very few: each row split over several programs, ``plain`` — no processed row — or with ``SPLIT_PREPARED``).
+    Every other variant has one shape per vocabulary size, so its rows never depend on their batch."""
     small_vocab = vocab_size <= 8192
-    if exact and plain and 0 < rows <= (2 if small_vocab else SPLIT_ROWS):
-        # one row on one SM waits on its 32 chunks one after another (0.10-0.16 ms at batch 1): over many SMs
-        # each program has a chunk or two; not yet measured on a GPU
+    if exact and (plain or SPLIT_PREPARED) and 0 < rows <= (2 if small_vocab else SPLIT_ROWS):
+        # one row on one SM waits on its 32 chunks one after another: over many SMs each program has a chunk or
+        # two (session 12 on the H200, T=1 at batch 1: 0.156 -> 0.092 ms)
         return KernelConfig(block=256, cap=64, num_warps=4, segments=4) if small_vocab else \
             KernelConfig(block=1024, cap=1024, num_warps=4, segments=32)
     if exact and 0 < rows <= (4 if small_vocab else FEW_ROWS):
@@ -144,6 +145,9 @@ def config_for(vocab_size: int, rows: int = 0, exact: bool = False, plain: bool 
             KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
     if small_vocab:  # tests and small models: several chunks and a small band, to exercise both
         return KernelConfig(block=256, cap=64, num_warps=4)
+    if not exact and INEXACT_SHAPE is not None:
+        block, warps, per_sm = INEXACT_SHAPE
+        return KernelConfig(block=block, cap=1024, num_warps=warps, programs_per_sm=per_sm)
     # small programs, 8 an SM: a row's chunk loop waits on its loads and barriers, and programs that wait
     # independently hide each other's waits (session 11 on the H200, against block 2,048 / 16 warps / 1 an SM:
     # T=1 0.36 -> 0.31 ms, top_p 0.9 1.02 -> 0.88, top_k 50 0.95 -> 0.72, logprobs 0.79 -> 0.51 at batch 1,024);
@@ -284,28 +288,45 @@ def _penalize_and_mask(y, ids, valid, pen, counts, in_prompt, rep, freq, pres, m
 
 
 @triton.jit
-def _prepare_row(x_row, V, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
+def _row_processing(fp, ip, counter, has_penalty_state, has_masks):
+    """A row's processing: 1 / temperature, its penalties (and whether any applies: the slot's counts are kept),
+    its bias entries, its ban entries (while under min_tokens) and whether its grammar masks it."""
+    inv_t = tl.load(fp + F_INV_TEMPERATURE)
+    rep = tl.load(fp + F_REPETITION)
+    freq = tl.load(fp + F_FREQUENCY)
+    pres = tl.load(fp + F_PRESENCE)
+    pen = (has_penalty_state != 0) & ((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+    n_bias = tl.load(ip + I_NUM_BIAS).to(tl.int32)
+    n_ban = tl.where(counter < tl.load(ip + I_MIN_TOKENS), tl.load(ip + I_NUM_BAN), 0).to(tl.int32)
+    masked = (has_masks != 0) & (tl.load(ip + I_MASKED) != 0)
+    return inv_t, rep, freq, pres, pen, n_bias, n_ban, masked
+
+
+@triton.jit
+def _prepare_row(x_row, lo, hi, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
                  bias_ids, bias_vals, n_bias, ban_ids, n_ban, masked, mask_row, BLOCK: tl.constexpr):
-    """Steps 1-3 times 1 / temperature into ``dst``: dense penalties and the grammar's mask, then the sparse
-    bias entries recomputed from their raw logits (masked again), then the ban (-inf) over everything."""
+    """Steps 1-3 times 1 / temperature into ``dst``, for ids in [lo, hi) (a whole row, or the split race's
+    segment): dense penalties and the grammar's mask, then the sparse bias entries recomputed from their raw
+    logits (masked again), then the ban (-inf) over everything."""
     tl.debug_barrier()  # the previous row's readers are done with dst
-    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
-        y = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
-        y = _penalize_and_mask(y, offs, offs < V, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
-        tl.store(dst + offs, y * inv_t, mask=offs < V)
+        y = tl.load(x_row + offs, mask=offs < hi, other=float("-inf"))
+        y = _penalize_and_mask(y, offs, offs < hi, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
+        tl.store(dst + offs, y * inv_t, mask=offs < hi)
     tl.debug_barrier()
     for j0 in range(0, n_bias, TABLE_BLOCK):
         j = j0 + tl.arange(0, TABLE_BLOCK)
-        ids = tl.load(bias_ids + j, mask=j < n_bias, other=0)
-        y = tl.load(x_row + ids, mask=j < n_bias, other=0.0) + tl.load(bias_vals + j, mask=j < n_bias, other=0.0)
-        y = _penalize_and_mask(y, ids, j < n_bias, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
-        tl.store(dst + ids, y * inv_t, mask=j < n_bias)
+        ids = tl.load(bias_ids + j, mask=j < n_bias, other=-1)
+        ok = (ids >= lo) & (ids < hi)
+        y = tl.load(x_row + ids, mask=ok, other=0.0) + tl.load(bias_vals + j, mask=ok, other=0.0)
+        y = _penalize_and_mask(y, ids, ok, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
+        tl.store(dst + ids, y * inv_t, mask=ok)
     tl.debug_barrier()
     for j0 in range(0, n_ban, TABLE_BLOCK):
         j = j0 + tl.arange(0, TABLE_BLOCK)
-        ids = tl.load(ban_ids + j, mask=j < n_ban, other=0)
-        tl.store(dst + ids, tl.full([TABLE_BLOCK], float("-inf"), tl.float32), mask=j < n_ban)
+        ids = tl.load(ban_ids + j, mask=j < n_ban, other=-1)
+        tl.store(dst + ids, tl.full([TABLE_BLOCK], float("-inf"), tl.float32), mask=(ids >= lo) & (ids < hi))
     tl.debug_barrier()
 
 
@@ -342,11 +363,10 @@ def _raw_lse_chunk(x, m, z):
 
 @triton.jit
 def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, want_band, band_v, band_i,
-                LOGPROBS: tl.constexpr, RUNNERS_UP: tl.constexpr, LANE_BAND: tl.constexpr, CAP: tl.constexpr,
-                BLOCK: tl.constexpr):
+                LOGPROBS: tl.constexpr, FILTER: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``; with
-    RUNNERS_UP its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
-    and with LANE_BAND and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
+    FILTER its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
+    and with FILTER and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
     not written). Accumulated lane by lane and reduced once: a reduction inside the loop is a block-wide
     barrier per chunk (only the race's skip test has one)."""
     lanes = tl.arange(0, BLOCK)
@@ -364,12 +384,12 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, want_band, band_v,
     c_id = tl.zeros([RUNNERS], tl.int32)
     top_v = tl.where(tl.arange(0, TOP_LOGPROBS) < lp_k, float("-inf"), float("inf"))
     top_i = tl.zeros([TOP_LOGPROBS], tl.int32)
-    sec_l = tl.full([BLOCK], float("-inf"), tl.float32)  # LANE_BAND: each lane's second value, its id, the third
+    sec_l = tl.full([BLOCK], float("-inf"), tl.float32)  # FILTER: each lane's second value, its id, the third
     sec_i = tl.zeros([BLOCK], tl.int32)
     third_l = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         s = _load_scaled(src, start + lanes, V, scale)
-        if LANE_BAND:
+        if FILTER:
             if want_band:
                 sec_l, sec_i, third_l = _lane_second(s, start + lanes, m_l, arg_l, sec_l, sec_i, third_l)
         arg_l = tl.where(s > m_l, start + lanes, arg_l)  # a lane keeps its first maximum
@@ -380,7 +400,7 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, want_band, band_v,
         s2_l += tl.where(fin, s * s, 0.0)
         min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
-            if RUNNERS_UP:
+            if FILTER:
                 c_key, c_id = _race_chunk_runners(s, start, fin, row_key, c_key, c_id)
             else:
                 w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
@@ -396,11 +416,11 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, want_band, band_v,
     m_raw = tl.max(mr_l, 0)
     z_raw = tl.sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
     arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
-    if RUNNERS_UP:  # the winner is the best of the runners (0 when nothing was finite, as above)
+    if FILTER:  # the winner is the best of the runners (0 when nothing was finite, as above)
         w_id = tl.maximum(_best_ranked(c_key, c_id, c_key > float("-inf")), 0)
     b3 = float("inf")
     nb = -1
-    if LANE_BAND:
+    if FILTER:
         if want_band:
             b3, nb = _lane_band(m_l, arg_l, sec_l, sec_i, third_l, band_v, band_i, CAP)
     return (m, arg, n_fin, mean, std, tl.min(min_l, 0), w_id, m_raw + tl.log(z_raw), top_v, top_i, c_key, c_id,
@@ -677,28 +697,20 @@ def _pick(x, i):
 
 
 @triton.jit
-def _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, c_key, c_id, band_v, band_i,
+def _top_p_token(src, scale, V, m, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
                  CAP: tl.constexpr, BLOCK: tl.constexpr):
     """top_p without top_k (min_p in lo): one pass over RUNNERS probes measures lo (Z: what min_p keeps) and the
     values of the race's best keys but the last; the best kept of those is the answer: the winner itself in
     most rows, a runner-up in most others (p ~ (1 - top_p)^(RUNNERS - 1) of rows search)."""
     k = tl.full((), NO_LIMIT, tl.int32)
-    if RUNNERS_ON:
-        j = tl.arange(0, RUNNERS)
-        s_c = tl.load(src + c_id) * scale
-        last = tl.argmax(tl.where(c_key == tl.min(c_key, 0), c_id, -1), 0)  # the lowest ranked: it probes lo
-        cnt, mass = _probe_pass(src, scale, V, m, tl.where(j == last, lo, tl.maximum(s_c, lo)), BLOCK)
-        cl = _pick(cnt, last)
-        z = _pick(mass, last)
-        pz = top_p * z
-        token = _best_ranked(c_key, c_id, (j != last) & (c_key > float("-inf")) & (s_c > lo)
-                             & _keeps(cnt, mass, k, pz))
-    else:  # two probes: lo and the winner
-        cnt, mass = _probe_pass(src, scale, V, m, tl.where(tl.arange(0, 2) == 0, lo, tl.maximum(s_w, lo)), BLOCK)
-        cl = _pick(cnt, 0)
-        z = _pick(mass, 0)
-        pz = top_p * z
-        token = tl.where((s_w > lo) & _keeps(_pick(cnt, 1), _pick(mass, 1), k, pz), w_id, -1)
+    j = tl.arange(0, RUNNERS)
+    s_c = tl.load(src + c_id) * scale
+    last = tl.argmax(tl.where(c_key == tl.min(c_key, 0), c_id, -1), 0)  # the lowest ranked: it probes lo
+    cnt, mass = _probe_pass(src, scale, V, m, tl.where(j == last, lo, tl.maximum(s_c, lo)), BLOCK)
+    cl = _pick(cnt, last)
+    z = _pick(mass, last)
+    pz = top_p * z
+    token = _best_ranked(c_key, c_id, (j != last) & (c_key > float("-inf")) & (s_c > lo) & _keeps(cnt, mass, k, pz))
     if token < 0:
         guess = _gaussian_guess(mean, std, cl, k, top_p)
         lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, z, cl * 0, z * 0.0, k, pz, guess,
@@ -762,21 +774,17 @@ def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k,
         lo = _prev(m + log_min_p)
     token = w_id
     if k > 0:
-        token = -1
-        if LANE_BAND_ON:
-            token = _lane_band_token(band_v, band_i, nb, b3, m, n_fin, k, top_p, lo, row_key, CAP)
+        token = _lane_band_token(band_v, band_i, nb, b3, m, n_fin, k, top_p, lo, row_key, CAP)
         if token < 0:
             token = _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, lo, band_v, band_i,
                                  CAP, BLOCK)
     else:
-        s_w = tl.load(src + w_id) * scale
         if top_p < 1.0:
-            token = _top_p_token(src, scale, V, m, mean, std, s_min, w_id, s_w, row_key, top_p, lo, c_key, c_id,
-                                 band_v, band_i, CAP, BLOCK)
-        elif s_w <= lo:  # min_p alone: the winner unless it fell under the floor, then the best runner-up over it
-            token = -1
-            if RUNNERS_ON:
-                token = _best_ranked(c_key, c_id, (c_key > float("-inf")) & (tl.load(src + c_id) * scale > lo))
+            token = _top_p_token(src, scale, V, m, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
+                                 CAP, BLOCK)
+        elif tl.load(src + w_id) * scale <= lo:  # min_p alone: the winner unless under the floor, then the best
+            # runner-up over it
+            token = _best_ranked(c_key, c_id, (c_key > float("-inf")) & (tl.load(src + c_id) * scale > lo))
             if token < 0:
                 nb, w_key, token = _compact(src, scale, V, lo, lo, row_key, True, band_v, band_i, CAP, BLOCK)
     return token
@@ -817,20 +825,14 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         ip = iparams + slot * NUM_I
         x_row = logits + r * stride
         counter = tl.load(generated + slot)
-        inv_t = tl.load(fp + F_INV_TEMPERATURE)
-        rep = tl.load(fp + F_REPETITION)
-        freq = tl.load(fp + F_FREQUENCY)
-        pres = tl.load(fp + F_PRESENCE)
-        pen = (has_penalty_state != 0) & ((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
-        n_bias = tl.load(ip + I_NUM_BIAS).to(tl.int32)
-        n_ban = tl.where(counter < tl.load(ip + I_MIN_TOKENS), tl.load(ip + I_NUM_BAN), 0).to(tl.int32)
-        masked = (has_masks != 0) & (tl.load(ip + I_MASKED) != 0)
+        inv_t, rep, freq, pres, pen, n_bias, n_ban, masked = _row_processing(fp, ip, counter, has_penalty_state,
+                                                                             has_masks)
         src = x_row
         scale = inv_t
         if PREPARE and (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0) | masked):
-            _prepare_row(x_row, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V, in_prompt + slot * V,
-                         bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
-                         masked, masks + slot * mask_w, BLOCK)
+            _prepare_row(x_row, 0, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V,
+                         in_prompt + slot * V, bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias,
+                         ban_ids + slot * ban_w, n_ban, masked, masks + slot * mask_w, BLOCK)
             src = scratch
             scale = 1.0
         sampled = tl.load(fp + F_TEMPERATURE) != 0.0
@@ -841,7 +843,7 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
         m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
             src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
-            LOGPROBS, FILTER and RUNNERS_ON, FILTER and LANE_BAND_ON, CAP, BLOCK)
+            LOGPROBS, FILTER, CAP, BLOCK)
         if sampled:
             if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
                 token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
@@ -867,27 +869,45 @@ def _packed(key, token):
     return (_ordered(key).to(tl.int64) << 32) | (2147483647 - token).to(tl.int64)
 
 
-@triton.jit
-def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, best, SEGMENT: tl.constexpr,
+@triton.jit(do_not_specialize=["bias_w", "ban_w", "has_penalty_state", "mask_w", "has_masks"])
+def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, best,
+                       bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
+                       masks, mask_w, has_masks, scratch, PREPARE: tl.constexpr, SEGMENT: tl.constexpr,
                        BLOCK: tl.constexpr):
     """Program (row, g) races (or, greedy, takes the first maximum) over ids [g·SEGMENT, (g+1)·SEGMENT) of a
-    row with no filters, logprobs or processed values, and folds its best into ``best[row]`` by atomic max:
-    the row's token is the same as one program's over the whole row (``_race_chunk`` is exact)."""
+    row with no filters or logprobs, and folds its best into ``best[row]`` by atomic max: the row's token is the
+    same as one program's over the whole row (``_race_chunk`` is exact). With PREPARE a row with penalties, bias,
+    a ban or a grammar mask is processed first, its segment into the row's scratch row (the bias and ban
+    entries in the segment: each program writes and reads back only its own ids)."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * SEGMENT
     hi = tl.minimum(lo + SEGMENT, V)
     slot = tl.load(slots + r).to(tl.int64)
+    fp = fparams + slot * NUM_F
+    ip = iparams + slot * NUM_I
     x_row = logits + r * stride
-    scale = tl.load(fparams + slot * NUM_F + F_INV_TEMPERATURE)
-    sampled = tl.load(fparams + slot * NUM_F + F_TEMPERATURE) != 0.0
-    row_key = _row_key(tl.load(iparams + slot * NUM_I + I_SEED_KEY), tl.load(generated + slot))
+    counter = tl.load(generated + slot)
+    src = x_row
+    scale = tl.load(fp + F_INV_TEMPERATURE)
+    if PREPARE:
+        inv_t, rep, freq, pres, pen, n_bias, n_ban, masked = _row_processing(fp, ip, counter, has_penalty_state,
+                                                                             has_masks)
+        if pen | (n_bias > 0) | (n_ban > 0) | masked:
+            dst = scratch + r * V
+            _prepare_row(x_row, lo, hi, dst, inv_t, pen, rep, freq, pres, counts + slot * V, in_prompt + slot * V,
+                         bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
+                         masked, masks + slot * mask_w, BLOCK)
+            src = dst
+            scale = 1.0
+    sampled = tl.load(fp + F_TEMPERATURE) != 0.0
+    row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
     lanes = tl.arange(0, BLOCK)
     m_l = tl.full([BLOCK], float("-inf"), tl.float32)
     arg_l = tl.zeros([BLOCK], tl.int32)
     w_key = float("-inf")
     w_id = 0
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        s = _load_scaled(x_row, start + lanes, hi, scale)
+        s = _load_scaled(src, start + lanes, hi, scale)
         if sampled:
             w_key, w_id = _race_chunk(s, start, s > float("-inf"), row_key, w_key, w_id)
         else:
@@ -914,13 +934,17 @@ def _race_finish_kernel(slots, generated, counts, V, best, record, has_penalty_s
 
 
 def _sample_split(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, ws: SamplingWorkspace,
-                  cfg: KernelConfig, record: bool, has_pen: bool, counts: torch.Tensor) -> DeviceSample:
-    """Two launches, no sync: the split race, then the tokens and the recording."""
+                  cfg: KernelConfig, record: bool, prepare: bool, tables: tuple) -> DeviceSample:
+    """Two launches, no sync: the split race (each program processing its segment first when ``prepare``),
+    then the tokens and the recording."""
     b, v = logits.shape
+    counts, in_prompt, has_pen, masks, has_masks, scratch = tables
     segment = triton.cdiv(triton.cdiv(v, cfg.segments), cfg.block) * cfg.block
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     _race_split_kernel[(b, triton.cdiv(v, segment))](
-        logits, v, logits.stride(0), slots, t.fparams, t.iparams, t.generated, ws.best, SEGMENT=segment,
+        logits, v, logits.stride(0), slots, t.fparams, t.iparams, t.generated, ws.best,
+        t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt, int(has_pen),
+        masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, PREPARE=prepare, SEGMENT=segment,
         BLOCK=cfg.block, num_warps=cfg.num_warps)
     _race_finish_kernel[(b,)](slots, t.generated, counts, v, ws.best, int(record), int(has_pen), tokens,
                               num_warps=1)
@@ -936,11 +960,12 @@ class SamplingWorkspace:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.config = config_for(vocab_size)  # the most programs and the largest band of any shape
+        shapes = (config_for(vocab_size), config_for(vocab_size, rows=FEW_ROWS + 1, exact=True))  # many rows
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        self.programs = self.sms * self.config.programs_per_sm
-        self.band_v = torch.empty(self.programs, self.config.cap, dtype=torch.float32, device=device)
-        self.band_i = torch.empty(self.programs, self.config.cap, dtype=torch.int32, device=device)
+        self.programs = self.sms * max(c.programs_per_sm for c in shapes)  # the most programs of any shape
+        cap = max(c.cap for c in shapes)  # and the largest band
+        self.band_v = torch.empty(self.programs, cap, dtype=torch.float32, device=device)
+        self.band_i = torch.empty(self.programs, cap, dtype=torch.int32, device=device)
         self.best = torch.full((SPLIT_ROWS,), NONE_YET.value, dtype=torch.int64, device=device)  # split race
         self.rows: torch.Tensor | None = None
         self.dummy = torch.zeros(16, dtype=torch.int32, device=device)
@@ -973,11 +998,12 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     has_masks = f.mask and t.masks is not None
     prepare = f.bias or f.ban or has_pen or has_masks
     cfg = _shape_of(f, v, b, prepare)
-    if cfg.segments > 1:
-        return _sample_split(logits, slots, t, ws, cfg, record, has_pen, counts)
     in_prompt = t.prompt_mask.view(torch.uint8) if has_pen else ws.dummy.view(torch.uint8)
     masks = t.masks if has_masks else ws.dummy
     scratch = ws.scratch_rows() if prepare else ws.band_v
+    if cfg.segments > 1:
+        return _sample_split(logits, slots, t, ws, cfg, record, prepare,
+                             (counts, in_prompt, has_pen, masks, has_masks, scratch))
     top_w = f.max_logprobs if f.logprobs else 0
     tokens = torch.empty(b, dtype=torch.int64, device=dev)  # apart: a view's alignment is a specialisation
     k = torch.empty(b, dtype=torch.int64, device=dev)
@@ -991,8 +1017,7 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
             max(top_w, 1), FILTER=f.filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
-            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps,
-            **({"maxnreg": FILTER_MAX_REGISTERS} if f.filtered and FILTER_MAX_REGISTERS else {}))
+            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])

@@ -1,0 +1,20 @@
+# Call I (first of a lease: a cold `gaggle up`): issue 13's 256-stream target (TTFT p50 <= 50 / p99 <= 250 ms, ITL
+# p50 <= 10), served twice with the TTFT breakdown and the worker's loop stats, then engine-only on the same load.
+source .gpu/lib.sh
+model
+up 8000 --worker-arg=--max-num-seqs=1024 --api-workers 4 || exit 1
+W="--input-len 128 --output-len 256 --ignore-eos --temperature 1.0"
+L="--num-prompts 1024 --max-concurrency 256"
+for run in 1 2; do
+  step s256-$run 100 $GAGGLE bench $L $W --save-detailed --save-result "$R/s256-$run.json"
+  grep -E "Output token throughput|TTFT|ITL" "$R/s256-$run.log" | grep -v Mean
+done
+step breakdown 60 python3 -m worker.loadgen.breakdown "$R/s256-2.json" .gpu/cache/data-8000/logs
+tail -10 "$R/breakdown.log"
+grep '"loop stats"' .gpu/cache/data-8000/logs/worker-*.log > "$R/loopstats.log"
+tail -3 "$R/loopstats.log" | cut -c1-500
+down
+step engine-only 200 $GAGGLE bench --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 $L $W \
+  --save-result "$R/engine-only.json"
+grep -E "Output token throughput|TTFT|ITL" "$R/engine-only.log" | grep -v Mean
+pack
