@@ -4,8 +4,9 @@
 #   INEXACT_SHAPE=1024,8,1: the filter / logprobs variants with 8 warps a program (198 registers: one an SM)
 #   INEXACT_SHAPE=2048,16,1: 16 warps (capped at 128 registers, 112 bytes of spills: one an SM)
 #   SPLIT_PREPARED=off: penalties / bias rows at <= 16 a step back in the wide shape (on: the split race)
+#   PROCESSED_ONE_PASS=off: penalties / bias rows with no filters through the scratch row (on: one pass)
 source .gpu/lib.sh
-SETTINGS=("" "INEXACT_SHAPE=1024,8,1" "INEXACT_SHAPE=2048,16,1" "SPLIT_PREPARED=off")
+SETTINGS=("" "INEXACT_SHAPE=1024,8,1" "INEXACT_SHAPE=2048,16,1" "SPLIT_PREPARED=off" "PROCESSED_ONE_PASS=off")
 tag_of() { local t=${1:-defaults}; t=${t//=/-}; echo "${t//,/-}"; }
 cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
 for s in "${SETTINGS[@]}"; do

@@ -191,6 +191,31 @@ def check_exact_rows_across_shapes(vocab: int = 1000) -> None:
         assert all(r == runs[0] for r in runs), (target, batches, runs)
 
 
+def check_processed_exact_rows(vocab: int = 1000) -> None:
+    """Processed rows with no filters or logprobs take one pass with no scratch row (the dense stages as the row
+    streams by, bias and ban entries on their own) unless every one of their best race keys is a bias or ban
+    entry: then the scratch row. Both against the twin, greedy and sampled, with the rows' largest values on
+    biased and banned ids; which path ran is read off the scratch rows (poisoned with NaN before each step)."""
+    hot = [17, 230, 480, 700, 999, 3]
+    one_pass = [[P(temperature=t, logit_bias={hot[0]: -100.0, hot[1]: 50.0}),
+                 P(temperature=t, repetition_penalty=1.3, presence_penalty=0.4, logit_bias={hot[2]: 2.0, 321: 30.0}),
+                 P(temperature=t, min_tokens=3, stop_token_ids=hot[:2], frequency_penalty=0.5)] for t in (0.0, 1.0)]
+    fall_back = [[P(temperature=t, logit_bias={i: -100.0 for i in hot}),
+                  P(temperature=t, min_tokens=3, stop_token_ids=hot, presence_penalty=0.2)] for t in (0.0, 1.0)]
+    for params, one in ((one_pass[0] + one_pass[1], True), (fall_back[0] + fall_back[1], False)):
+        sampler = admit(vocab, params)
+        gen = torch.Generator().manual_seed(9)
+        for step in range(3):
+            logits = torch.randn(len(params), vocab, generator=gen)
+            logits[:, hot] += 30.0  # the six largest keys of every row, whatever the noise
+            scratch = sampler._kernel.scratch_rows()
+            scratch.fill_(float("nan"))
+            slots = torch.arange(len(params))
+            _, want = twin_step(sampler, logits, slots, ("processed exact", one, step))
+            assert bool(torch.isnan(scratch).all()) == one, (one, step)
+            sampler._record(slots, want.tokens)
+
+
 def check_warm_up() -> None:
     sampler = admit(300, MIXES[:3])
     before = sampler._generated.clone()
@@ -225,6 +250,7 @@ if __name__ == "__main__":
     check_recording()
     check_batch_invariance()
     check_exact_rows_across_shapes()
+    check_processed_exact_rows()
     check_masks()
     check_warm_up()
     print("sampling checks passed")

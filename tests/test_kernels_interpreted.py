@@ -69,6 +69,9 @@ def test_sampling_kernel_compiles_for_hopper():
     except RuntimeError as e:  # a triton without its CUDA compiler (ptxas) cannot say
         pytest.skip(f"no CUDA code generation here: {e}")
     assert "cp.async" in ptx
+    src, num_warps = sample_kernel_source({"FILTER": False, "LOGPROBS": False, "PREPARE": True})  # one-pass processed
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    assert "cp.async" in ptx
     from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few exact rows
     split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
              "generated": "*i64", "best": "*i64", "bias_ids": "*i64", "bias_vals": "*fp32", "bias_w": "i32",

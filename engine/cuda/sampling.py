@@ -8,6 +8,9 @@ at a time. Per row:
 1. rows with logit_bias, an active min_tokens ban or penalties: the processed row times 1 / temperature goes
    to the program's scratch row (penalties read the slot's dense counts; the sparse bias and ban entries are
    then rewritten from their raw logits: nothing matches ids against ids); later passes read it there.
+   Rows with no filters and no logprobs need one pass only, and take it with no scratch row: the dense stages
+   as the row streams by, the race keeping its best few keys, then the bias and ban entries matched against
+   those few (``_processed_exact_token``).
 2. the stats pass: max and greedy argmax, count / mean / std / min of the finite values, raw log-sum-exp and
    top-k raw logprobs when asked, and for rows without top_k the race over every token (winner ``w``).
    Greedy and plain-temperature rows end here: one pass. top_k rows also keep each lane's two largest
@@ -94,6 +97,12 @@ RUNNERS = tl.constexpr(4)
 # written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
 # compact pass. Exact either way: too few candidates above b3 (large k) falls back to the search. Session 14 on
 # the H200: top_k 50 0.71 -> 0.38-0.53 ms at batch 1,024, 0.20 -> 0.10 at batch 1 (BENCHMARKS).
+# Processed rows (penalties, bias, a ban, a grammar mask) with no filters or logprobs in one pass with no scratch
+# row (``_processed_exact_token``): the scratch-row path reads the row, the counts and the prompt mask, writes the
+# row, and reads it again (~1.1 MB a row at vocabulary 65,536: penalties + logit_bias 0.55 ms at batch 1,024,
+# session 14). Costs the exact processed variant registers: 115 -> 160 a thread (4 -> 3 programs an SM; ptxas for
+# sm_90a). On until the H200 says otherwise (.gpu/c.sh times it off)
+PROCESSED_ONE_PASS = tl.constexpr(True)
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
@@ -791,6 +800,59 @@ def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k,
 
 
 @triton.jit
+def _in_table(ids, table, n):
+    """Whether each of ``ids`` is among the first ``n`` entries of ``table`` (a bias or ban table: tens of
+    entries, compared TABLE_BLOCK at a time)."""
+    found = tl.zeros(ids.shape, tl.int32)
+    for j0 in range(0, n, TABLE_BLOCK):
+        j = j0 + tl.arange(0, TABLE_BLOCK)
+        t = tl.load(table + j, mask=j < n, other=-1)
+        found = tl.maximum(found, tl.max((ids[:, None] == t[None, :]).to(tl.int32), 1))
+    return found != 0
+
+
+@triton.jit
+def _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts, in_prompt, bias_ids, bias_vals, n_bias,
+                           ban_ids, n_ban, masked, mask_row, sampled, row_key, BLOCK: tl.constexpr):
+    """A processed row with no filters or logprobs in one pass and no scratch row: the dense stages (penalties,
+    the grammar's mask) applied as the row streams by, keeping the RUNNERS best race keys (greedy: values);
+    then the sparse entries answer for themselves: the best runner that is no bias or active ban entry against
+    each bias entry's own key (ties: the lower id). The token the scratch-row path gives, with one read of the
+    row where that path reads it twice and writes it once; -1 when every runner is a bias or ban entry (or
+    nothing is finite): the scratch-row path then."""
+    lanes = tl.arange(0, BLOCK)
+    c_key = tl.full([RUNNERS], float("-inf"), tl.float32)
+    c_id = tl.zeros([RUNNERS], tl.int32)
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        offs = start + lanes
+        y = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
+        s = _penalize_and_mask(y, offs, offs < V, pen, counts, in_prompt, rep, freq, pres, masked, mask_row) * inv_t
+        if sampled:
+            c_key, c_id = _race_chunk_runners(s, start, s > float("-inf"), row_key, c_key, c_id)
+        else:
+            c_key, c_id = _top_insert(s, start, c_key, c_id)
+    dense = (c_key > float("-inf")) & ~_in_table(c_id, bias_ids, n_bias) & ~_in_table(c_id, ban_ids, n_ban)
+    w_key = tl.max(tl.where(dense, c_key, float("-inf")), 0)
+    w_id = _best_ranked(c_key, c_id, dense)
+    for j0 in range(0, n_bias, TABLE_BLOCK):  # as _prepare_row writes them: raw + bias, the dense stages, the ban
+        j = j0 + tl.arange(0, TABLE_BLOCK)
+        ok = j < n_bias
+        ids = tl.load(bias_ids + j, mask=ok, other=0).to(tl.int32)
+        y = tl.load(x_row + ids, mask=ok, other=0.0) + tl.load(bias_vals + j, mask=ok, other=0.0)
+        y = _penalize_and_mask(y, ids, ok, pen, counts, in_prompt, rep, freq, pres, masked, mask_row) * inv_t
+        y = tl.where(ok & ~_in_table(ids, ban_ids, n_ban), y, float("-inf"))
+        key = y
+        if sampled:
+            key = y + _neg_log_noise(_uniform(_element_hash(row_key, ids)))
+        b_key = tl.max(key, 0)
+        b_id = tl.min(tl.where(key == b_key, ids, 2 ** 31 - 1), 0)
+        better = (b_key > w_key) | ((b_key == w_key) & (b_id < w_id) & (b_key > float("-inf")))
+        w_id = tl.where(better, b_id, w_id)
+        w_key = tl.where(better, b_key, w_key)
+    return tl.where(tl.max(dense.to(tl.int32), 0) > 0, w_id, -1)
+
+
+@triton.jit
 def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
     """The raw top-k, value-descending (ties by id), as logprobs."""
     j = tl.arange(0, TOP_LOGPROBS)
@@ -799,6 +861,39 @@ def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
     v = _from_ordered((key >> 32).to(tl.int32))
     tl.store(out_id + j, (key & 0xFFFFFFFF) ^ 0xFFFFFFFF, mask=j < top_w)
     tl.store(out_lp + j, v - lse, mask=j < top_w)
+
+
+@triton.jit
+def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, masked, needs, sampled, lp_k, row_key,
+               fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids, ban_w, masks, mask_w, scratch,
+               band_v, band_i, out_lp, out_top_id, out_top_lp, top_w, FILTER: tl.constexpr,
+               LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's token by the stats pass (after its processed values are written to the scratch row, where it
+    has any), then the filters where it has any; its logprobs written when asked."""
+    src = x_row
+    scale = inv_t
+    if PREPARE and needs:
+        _prepare_row(x_row, 0, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V, in_prompt + slot * V,
+                     bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
+                     masked, masks + slot * mask_w, BLOCK)
+        src = scratch
+        scale = 1.0
+    k = tl.load(ip + I_TOP_K).to(tl.int32)
+    top_p = tl.load(fp + F_TOP_P)
+    log_min_p = tl.load(fp + F_LOG_MIN_P)
+    m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
+        src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
+        LOGPROBS, FILTER, CAP, BLOCK)
+    if sampled:
+        if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
+            token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
+                                    log_min_p, c_key, c_id, b3, nb, band_v, band_i, CAP, BLOCK)
+        else:
+            token = w_id
+    if LOGPROBS and lp_k >= 0:
+        tl.store(out_lp, tl.load(x_row + token) - lse)
+        _write_top(top_v, top_i, lp_k, lse, out_top_id, out_top_lp, top_w)
+    return token
 
 
 @triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w",
@@ -827,38 +922,28 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
         counter = tl.load(generated + slot)
         inv_t, rep, freq, pres, pen, n_bias, n_ban, masked = _row_processing(fp, ip, counter, has_penalty_state,
                                                                              has_masks)
-        src = x_row
-        scale = inv_t
-        if PREPARE and (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0) | masked):
-            _prepare_row(x_row, 0, V, scratch, inv_t, pen, rep, freq, pres, counts + slot * V,
-                         in_prompt + slot * V, bias_ids + slot * bias_w, bias_vals + slot * bias_w, n_bias,
-                         ban_ids + slot * ban_w, n_ban, masked, masks + slot * mask_w, BLOCK)
-            src = scratch
-            scale = 1.0
+        needs = (can_prepare != 0) & (pen | (n_bias > 0) | (n_ban > 0) | masked)
         sampled = tl.load(fp + F_TEMPERATURE) != 0.0
-        k = tl.load(ip + I_TOP_K).to(tl.int32)
-        top_p = tl.load(fp + F_TOP_P)
-        log_min_p = tl.load(fp + F_LOG_MIN_P)
         lp_k = tl.load(ip + I_LOGPROBS).to(tl.int32)
         row_key = _row_key(tl.load(ip + I_SEED_KEY), counter)
-        m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
-            src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
-            LOGPROBS, FILTER, CAP, BLOCK)
-        if sampled:
-            if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
-                token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
-                                        log_min_p, c_key, c_id, b3, nb, band_v, band_i, CAP, BLOCK)
-            else:
-                token = w_id
+        token = -1
+        if PREPARE and not FILTER and not LOGPROBS and PROCESSED_ONE_PASS:  # exact and processed: one pass
+            if needs:
+                token = _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts + slot * V,
+                                               in_prompt + slot * V, bias_ids + slot * bias_w,
+                                               bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
+                                               masked, masks + slot * mask_w, sampled, row_key, BLOCK)
+        if token < 0:
+            token = _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, masked, needs, sampled,
+                               lp_k, row_key, fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids, ban_w,
+                               masks, mask_w, scratch, band_v, band_i, out_lp + r, out_top_id + r * top_w,
+                               out_top_lp + r * top_w, top_w, FILTER, LOGPROBS, PREPARE, CAP, BLOCK)
         tl.store(out_token + r, token.to(tl.int64))
         if record != 0:
             tl.store(generated + slot, counter + 1)
             if has_penalty_state != 0:
                 tl.atomic_add(counts + slot * V + token, 1)
         tl.store(out_k + r, lp_k.to(tl.int64))
-        if LOGPROBS and lp_k >= 0:
-            tl.store(out_lp + r, tl.load(x_row + token) - lse)
-            _write_top(top_v, top_i, lp_k, lse, out_top_id + r * top_w, out_top_lp + r * top_w, top_w)
 
 
 # ------------------------------------------------------------------------ the split race
