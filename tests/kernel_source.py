@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 
-POINTERS = {"logits": "fp32", "slots": "i64", "fparams": "fp32", "iparams": "i64", "generated": "i64",
+POINTERS = {"logits": "fp32", "slots": "i64", "fparams": "fp32", "iparams": "i64", "generated": "i64", "vkeys": "i32",
             "bias_ids": "i64", "bias_vals": "fp32", "ban_ids": "i64", "counts": "i32", "in_prompt": "u8",
             "masks": "i32", "scratch": "fp32", "band_v": "fp32", "band_i": "i32", "out_token": "i64", "out_k": "i64",
             "out_lp": "fp32", "out_top_id": "i64", "out_top_lp": "fp32"}

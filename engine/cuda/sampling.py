@@ -103,6 +103,10 @@ RUNNERS = tl.constexpr(4)
 # session 14). Costs the exact processed variant registers: 115 -> 160 a thread (4 -> 3 programs an SM; ptxas for
 # sm_90a). On until the H200 says otherwise (.gpu/c.sh times it off)
 PROCESSED_ONE_PASS = tl.constexpr(True)
+# The per-id half of the race's hash read from a table of the vocabulary (256 KB at 65,536: it stays in L2)
+# instead of computed for every value of every row (two multiplies, three shifts and xors each). On until the H200
+# says otherwise (.gpu/c.sh times it off)
+VOCAB_TABLE = tl.constexpr(True)
 # chunks in flight per streaming loop (cp.async into shared memory): one 8 KB chunk per SM would leave HBM
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
@@ -182,9 +186,24 @@ def _row_key(seed_key, counter):
 
 
 @triton.jit
+def _vocab_hash(ids):
+    """engine.sampler.vocab_keys: the per-id part of the hash, the same for every row."""
+    return _mix32((ids.to(tl.uint32) * GOLDEN) ^ VOCAB_SALT)
+
+
+@triton.jit
 def _element_hash(row_key, ids):
-    vocab = _mix32((ids.to(tl.uint32) * GOLDEN) ^ VOCAB_SALT)
-    return _mix32(row_key ^ vocab)
+    return _mix32(row_key ^ _vocab_hash(ids))
+
+
+@triton.jit
+def _chunk_vocab_keys(vkeys, offs, V):
+    """The per-id hashes of a chunk: read from the vocabulary's table with VOCAB_TABLE (one 4-byte load a value
+    from L2, for two multiplies and three shifts), else computed."""
+    if VOCAB_TABLE:
+        return tl.load(vkeys + offs, mask=offs < V, other=0).to(tl.uint32, bitcast=True)
+    else:
+        return _vocab_hash(offs)
 
 
 @triton.jit
@@ -203,12 +222,12 @@ def _neg_log_noise(v):
 
 
 @triton.jit
-def _race_chunk(s, start, keep, row_key, best_key, best_id):
+def _race_chunk(s, start, keep, row_key, vk, best_key, best_id):
     """Fold the chunk at ``start`` into the running race: argmax of s - log E over ``keep``, ties to the
     lower id. A value beats best_key only if E < e^(s - best_key), and E >= v: a chunk where no v passes
     that (0.1% to spare for rounding) cannot change the race and skips the two logs a value (after the
-    first few chunks most do)."""
-    v = _uniform(_element_hash(row_key, start + tl.arange(0, s.shape[0])))
+    first few chunks most do). ``vk``: the chunk's per-id hashes (``_chunk_vocab_keys``)."""
+    v = _uniform(_mix32(row_key ^ vk))
     if tl.sum((keep & (v < tl.exp(s - best_key) * 1.001)).to(tl.int32), 0) > 0:
         key = tl.where(keep, s + _neg_log_noise(v), float("-inf"))
         c_key, c_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -219,11 +238,10 @@ def _race_chunk(s, start, keep, row_key, best_key, best_id):
 
 
 @triton.jit
-def _race_chunk_runners(s, start, keep, row_key, c_key, c_id):
+def _race_chunk_runners(s, start, keep, row_key, vk, c_key, c_id):
     """``_race_chunk`` keeping the RUNNERS best keys (unsorted; order: key, then the lower id): a chunk is
     skipped when no value can beat the lowest of them."""
-    lanes = tl.arange(0, s.shape[0])
-    v = _uniform(_element_hash(row_key, start + lanes))
+    v = _uniform(_mix32(row_key ^ vk))
     floor = tl.min(c_key, 0)
     if tl.sum((keep & (v < tl.exp(s - floor) * 1.001)).to(tl.int32), 0) > 0:
         c_key, c_id = _top_insert(tl.where(keep, s + _neg_log_noise(v), float("-inf")), start, c_key, c_id)
@@ -371,7 +389,7 @@ def _raw_lse_chunk(x, m, z):
 
 
 @triton.jit
-def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, want_band, band_v, band_i,
+def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, band_v, band_i,
                 LOGPROBS: tl.constexpr, FILTER: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``; with
     FILTER its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
@@ -410,9 +428,11 @@ def _stats_pass(src, scale, x_row, V, row_key, do_race, lp_k, want_band, band_v,
         min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
             if FILTER:
-                c_key, c_id = _race_chunk_runners(s, start, fin, row_key, c_key, c_id)
+                c_key, c_id = _race_chunk_runners(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
+                                                  c_key, c_id)
             else:
-                w_key, w_id = _race_chunk(s, start, fin, row_key, w_key, w_id)
+                w_key, w_id = _race_chunk(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V), w_key,
+                                          w_id)
         if LOGPROBS and lp_k >= 0:
             x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
             mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
@@ -614,7 +634,7 @@ def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.
             tl.store(band_i + pos, offs, mask=inside & (pos < CAP))
             nb += n
         if race_sure:
-            w_key, w_id = _race_chunk(s, start, s > hi, row_key, w_key, w_id)
+            w_key, w_id = _race_chunk(s, start, s > hi, row_key, _vocab_hash(offs), w_key, w_id)
     tl.debug_barrier()
     return tl.minimum(nb, CAP), w_key, w_id
 
@@ -813,7 +833,7 @@ def _in_table(ids, table, n):
 
 @triton.jit
 def _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts, in_prompt, bias_ids, bias_vals, n_bias,
-                           ban_ids, n_ban, masked, mask_row, sampled, row_key, BLOCK: tl.constexpr):
+                           ban_ids, n_ban, masked, mask_row, sampled, row_key, vkeys, BLOCK: tl.constexpr):
     """A processed row with no filters or logprobs in one pass and no scratch row: the dense stages (penalties,
     the grammar's mask) applied as the row streams by, keeping the RUNNERS best race keys (greedy: values);
     then the sparse entries answer for themselves: the best runner that is no bias or active ban entry against
@@ -828,7 +848,8 @@ def _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts, in_pro
         y = tl.load(x_row + offs, mask=offs < V, other=float("-inf"))
         s = _penalize_and_mask(y, offs, offs < V, pen, counts, in_prompt, rep, freq, pres, masked, mask_row) * inv_t
         if sampled:
-            c_key, c_id = _race_chunk_runners(s, start, s > float("-inf"), row_key, c_key, c_id)
+            c_key, c_id = _race_chunk_runners(s, start, s > float("-inf"), row_key, _chunk_vocab_keys(vkeys, offs, V),
+                                              c_key, c_id)
         else:
             c_key, c_id = _top_insert(s, start, c_key, c_id)
     dense = (c_key > float("-inf")) & ~_in_table(c_id, bias_ids, n_bias) & ~_in_table(c_id, ban_ids, n_ban)
@@ -865,7 +886,7 @@ def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
 
 @triton.jit
 def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, masked, needs, sampled, lp_k, row_key,
-               fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids, ban_w, masks, mask_w, scratch,
+               vkeys, fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids, ban_w, masks, mask_w, scratch,
                band_v, band_i, out_lp, out_top_id, out_top_lp, top_w, FILTER: tl.constexpr,
                LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """A row's token by the stats pass (after its processed values are written to the scratch row, where it
@@ -882,7 +903,7 @@ def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, maske
     top_p = tl.load(fp + F_TOP_P)
     log_min_p = tl.load(fp + F_LOG_MIN_P)
     m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
-        src, scale, x_row, V, row_key, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
+        src, scale, x_row, V, row_key, vkeys, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
         LOGPROBS, FILTER, CAP, BLOCK)
     if sampled:
         if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
@@ -898,7 +919,7 @@ def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, maske
 
 @triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w",
                                "mask_w", "has_masks"])
-def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
+def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated, vkeys,
                    bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
                    masks, mask_w, has_masks,
                    scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
@@ -932,11 +953,11 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated,
                 token = _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts + slot * V,
                                                in_prompt + slot * V, bias_ids + slot * bias_w,
                                                bias_vals + slot * bias_w, n_bias, ban_ids + slot * ban_w, n_ban,
-                                               masked, masks + slot * mask_w, sampled, row_key, BLOCK)
+                                               masked, masks + slot * mask_w, sampled, row_key, vkeys, BLOCK)
         if token < 0:
             token = _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, masked, needs, sampled,
-                               lp_k, row_key, fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids, ban_w,
-                               masks, mask_w, scratch, band_v, band_i, out_lp + r, out_top_id + r * top_w,
+                               lp_k, row_key, vkeys, fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids,
+                               ban_w, masks, mask_w, scratch, band_v, band_i, out_lp + r, out_top_id + r * top_w,
                                out_top_lp + r * top_w, top_w, FILTER, LOGPROBS, PREPARE, CAP, BLOCK)
         tl.store(out_token + r, token.to(tl.int64))
         if record != 0:
@@ -955,7 +976,7 @@ def _packed(key, token):
 
 
 @triton.jit(do_not_specialize=["bias_w", "ban_w", "has_penalty_state", "mask_w", "has_masks"])
-def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, best,
+def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, best, vkeys,
                        bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
                        masks, mask_w, has_masks, scratch, PREPARE: tl.constexpr, SEGMENT: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -994,7 +1015,8 @@ def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, be
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         s = _load_scaled(src, start + lanes, hi, scale)
         if sampled:
-            w_key, w_id = _race_chunk(s, start, s > float("-inf"), row_key, w_key, w_id)
+            w_key, w_id = _race_chunk(s, start, s > float("-inf"), row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
+                                      w_key, w_id)
         else:
             arg_l = tl.where(s > m_l, start + lanes, arg_l)
             m_l = tl.maximum(m_l, s)
@@ -1027,7 +1049,7 @@ def _sample_split(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, ws: 
     segment = triton.cdiv(triton.cdiv(v, cfg.segments), cfg.block) * cfg.block
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     _race_split_kernel[(b, triton.cdiv(v, segment))](
-        logits, v, logits.stride(0), slots, t.fparams, t.iparams, t.generated, ws.best,
+        logits, v, logits.stride(0), slots, t.fparams, t.iparams, t.generated, ws.best, ws.vocab_keys,
         t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt, int(has_pen),
         masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, PREPARE=prepare, SEGMENT=segment,
         BLOCK=cfg.block, num_warps=cfg.num_warps)
@@ -1053,6 +1075,8 @@ class SamplingWorkspace:
         self.band_i = torch.empty(self.programs, cap, dtype=torch.int32, device=device)
         self.best = torch.full((SPLIT_ROWS,), NONE_YET.value, dtype=torch.int64, device=device)  # split race
         self.rows: torch.Tensor | None = None
+        # the per-id hashes as 32-bit words (engine.sampler.vocab_keys, wrapped): read with VOCAB_TABLE
+        self.vocab_keys = sm.vocab_keys(vocab_size, device).to(torch.int32)
         self.dummy = torch.zeros(16, dtype=torch.int32, device=device)
 
     def scratch_rows(self) -> torch.Tensor:
@@ -1097,7 +1121,7 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
     top_lp = torch.empty(b, max(top_w, 1), dtype=torch.float32, device=dev)
     if b > 0:
         _sample_kernel[(min(b, ws.sms * cfg.programs_per_sm),)](
-            logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated,
+            logits, v, logits.stride(0), slots, b, t.fparams, t.iparams, t.generated, ws.vocab_keys,
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
