@@ -330,6 +330,14 @@ def _row_processing(fp, ip, counter, has_penalty_state, has_masks):
 
 
 @triton.jit
+def _biased(x_row, ids, vals, ok, inv_t, pen, rep, freq, pres, counts, in_prompt, masked, mask_row):
+    """Bias entries' processed values (``ids``, ``vals`` where ``ok``): recomputed from their raw logits, then the
+    dense stages, times 1 / temperature."""
+    y = tl.load(x_row + ids, mask=ok, other=0.0) + vals
+    return _penalize_and_mask(y, ids, ok, pen, counts, in_prompt, rep, freq, pres, masked, mask_row) * inv_t
+
+
+@triton.jit
 def _prepare_row(x_row, lo, hi, dst, inv_t, pen, rep, freq, pres, counts, in_prompt,
                  bias_ids, bias_vals, n_bias, ban_ids, n_ban, masked, mask_row, BLOCK: tl.constexpr):
     """Steps 1-3 times 1 / temperature into ``dst``, for ids in [lo, hi) (a whole row, or the split race's
@@ -346,9 +354,9 @@ def _prepare_row(x_row, lo, hi, dst, inv_t, pen, rep, freq, pres, counts, in_pro
         j = j0 + tl.arange(0, TABLE_BLOCK)
         ids = tl.load(bias_ids + j, mask=j < n_bias, other=-1)
         ok = (ids >= lo) & (ids < hi)
-        y = tl.load(x_row + ids, mask=ok, other=0.0) + tl.load(bias_vals + j, mask=ok, other=0.0)
-        y = _penalize_and_mask(y, ids, ok, pen, counts, in_prompt, rep, freq, pres, masked, mask_row)
-        tl.store(dst + ids, y * inv_t, mask=ok)
+        y = _biased(x_row, ids, tl.load(bias_vals + j, mask=ok, other=0.0), ok, inv_t, pen, rep, freq, pres, counts,
+                    in_prompt, masked, mask_row)
+        tl.store(dst + ids, y, mask=ok)
     tl.debug_barrier()
     for j0 in range(0, n_ban, TABLE_BLOCK):
         j = j0 + tl.arange(0, TABLE_BLOCK)
@@ -859,8 +867,8 @@ def _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts, in_pro
         j = j0 + tl.arange(0, TABLE_BLOCK)
         ok = j < n_bias
         ids = tl.load(bias_ids + j, mask=ok, other=0).to(tl.int32)
-        y = tl.load(x_row + ids, mask=ok, other=0.0) + tl.load(bias_vals + j, mask=ok, other=0.0)
-        y = _penalize_and_mask(y, ids, ok, pen, counts, in_prompt, rep, freq, pres, masked, mask_row) * inv_t
+        y = _biased(x_row, ids, tl.load(bias_vals + j, mask=ok, other=0.0), ok, inv_t, pen, rep, freq, pres, counts,
+                    in_prompt, masked, mask_row)
         y = tl.where(ok & ~_in_table(ids, ban_ids, n_ban), y, float("-inf"))
         key = y
         if sampled:
