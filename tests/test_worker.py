@@ -173,7 +173,7 @@ def test_abort_frees_the_slot_within_one_step(r, redis_url, tiny_weights):
         assert w.engine.num_free_slots == 3
         steps = []
         real_step = w.engine.step
-        w.engine.step = lambda: (steps.append(1), real_step())[1]
+        w.engine.step = lambda **kw: (steps.append(1), real_step(**kw))[1]  # the worker passes after_launch
         r.publish(c.CHANNEL_ABORTS, "long")
         while w.engine.num_free_slots < 4 and time.monotonic() < deadline:
             time.sleep(0.001)
