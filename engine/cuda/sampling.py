@@ -689,10 +689,17 @@ def _band_race(band_v, band_i, nb, tau, row_key, w_key, w_id, CAP: tl.constexpr)
     ids = tl.load(band_i + j, mask=j < nb, other=0)
     noise = _neg_log_noise(_uniform(_element_hash(row_key, ids)))
     key = tl.where((j < nb) & (v >= tau), v + noise, float("-inf"))
+    return _fold_best(key, ids, w_key, w_id)[1]
+
+
+@triton.jit
+def _fold_best(key, ids, w_key, w_id):
+    """The best of ``key`` (ties: the lower id, whatever the order of ``ids``) against the running best
+    (``w_key``, ``w_id``): the new running best."""
     b_key = tl.max(key, 0)
-    b_id = tl.min(tl.where(key == b_key, ids, 2 ** 31 - 1), 0)  # ties: the lower id, whatever the band's order
+    b_id = tl.min(tl.where(key == b_key, ids, 2 ** 31 - 1), 0)
     better = (b_key > w_key) | ((b_key == w_key) & (b_id < w_id) & (b_key > float("-inf")))
-    return tl.where(better, b_id, w_id)
+    return tl.where(better, b_key, w_key), tl.where(better, b_id, w_id)
 
 
 # ------------------------------------------------------------------------------ one row
@@ -873,11 +880,7 @@ def _processed_exact_token(x_row, V, inv_t, pen, rep, freq, pres, counts, in_pro
         key = y
         if sampled:
             key = y + _neg_log_noise(_uniform(_element_hash(row_key, ids)))
-        b_key = tl.max(key, 0)
-        b_id = tl.min(tl.where(key == b_key, ids, 2 ** 31 - 1), 0)
-        better = (b_key > w_key) | ((b_key == w_key) & (b_id < w_id) & (b_key > float("-inf")))
-        w_id = tl.where(better, b_id, w_id)
-        w_key = tl.where(better, b_key, w_key)
+        w_key, w_id = _fold_best(key, ids, w_key, w_id)
     return tl.where(tl.max(dense.to(tl.int32), 0) > 0, w_id, -1)
 
 
