@@ -171,6 +171,10 @@ def test_abort_frees_the_slot_within_one_step(r, redis_url, tiny_weights):
         while w.engine.num_running < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert w.engine.num_free_slots == 3
+        # the abort is a pub/sub message alone (the API also sets a marker, read after a (re)subscribe): publish
+        # only once the worker listens, or under load it can go out before the subscription and be lost
+        while r.pubsub_numsub(c.CHANNEL_ABORTS)[0][1] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         steps = []
         real_step = w.engine.step
         w.engine.step = lambda **kw: (steps.append(1), real_step(**kw))[1]  # the worker passes after_launch
