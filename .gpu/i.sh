@@ -1,5 +1,6 @@
 # Call I (first of a lease: a cold `gaggle up`): issue 13's 256-stream target (TTFT p50 <= 50 / p99 <= 250 ms, ITL
-# p50 <= 10), served twice with the TTFT breakdown and the worker's loop stats, then engine-only on the same load.
+# p50 <= 10), served twice with the TTFT breakdown (and by wave) and the worker's loop stats, the 1,024-stream load
+# once (early launch, the default: k.sh's A/B), then engine-only on the 256-stream load.
 source .gpu/lib.sh
 model
 up 8000 --worker-arg=--max-num-seqs=1024 --api-workers 4 || exit 1
@@ -10,11 +11,16 @@ for run in 1 2; do
   grep -E "Output token throughput|TTFT|ITL" "$R/s256-$run.log" | grep -v Mean
 done
 step breakdown 60 python3 -m worker.loadgen.breakdown "$R/s256-2.json" .gpu/cache/data-8000/logs
-tail -10 "$R/breakdown.log"
+tail -20 "$R/breakdown.log"
+# the 1,024-stream load on the same service: k.sh runs it under just-in-time launch
+step s1024-early 150 $GAGGLE bench --num-prompts 4096 --max-concurrency 1024 $W --save-result "$R/s1024-early.json"
+grep -E "Output token throughput|TTFT|ITL" "$R/s1024-early.log" | grep -v Mean
 grep '"loop stats"' .gpu/cache/data-8000/logs/worker-*.log > "$R/loopstats.log"
 tail -3 "$R/loopstats.log" | cut -c1-500
 down
 step engine-only 200 $GAGGLE bench --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 $L $W \
-  --save-result "$R/engine-only.json"
+  --save-result "$R/engine-only.json" --save-detailed
 grep -E "Output token throughput|TTFT|ITL" "$R/engine-only.log" | grep -v Mean
+step waves-engine-only 60 python3 -m worker.loadgen.breakdown "$R/engine-only.json"
+tail -8 "$R/waves-engine-only.log"
 pack

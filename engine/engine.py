@@ -28,6 +28,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import to_device
+from engine.device_timeline import DeviceTimeline
 from engine.phases import PhaseClock
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import SampleOutput
@@ -65,6 +66,8 @@ class LLMEngine:
         self._grammars = None  # engine.grammar.Grammars, made for the first constrained request
         self._mask_rows: list[torch.Tensor] = []  # two host buffers of bitmask rows, used in turn
         self.clock = PhaseClock()  # host seconds per phase of step()
+        self.timeline = DeviceTimeline()  # when the device will be done with what was launched
+        self._step_started = 0.0
 
     # -- public API ---------------------------------------------------------------
 
@@ -94,6 +97,12 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._launched is not None
+
+    def launch_slack_s(self) -> float:
+        """How long the next ``step()`` can wait and still launch before the device finishes the step in flight
+        (an estimate that errs early; 0 when nothing is in flight or nothing is known yet): the time a caller can
+        take to gather requests that then join the very next step (engine.device_timeline)."""
+        return self.timeline.slack_s(time.perf_counter()) if self._launched is not None else 0.0
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._sequences
@@ -184,6 +193,7 @@ class LLMEngine:
         thread's Python (the worker's writer) costs the loop nothing: started earlier, it takes the GIL from
         the launch, whose every torch call releases it."""
         self.clock.start()
+        self._step_started = time.perf_counter()
         previous = self._launched
         self._launched = self._launch(previous)
         if after_launch is not None:
@@ -202,6 +212,9 @@ class LLMEngine:
         self.runner.admit(batch.admitted)
         self.clock.lap("schedule")
         launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
+        if launched is not None:
+            self.timeline.launched(len(launched.seqs), batch.num_tokens - len(batch.decodes), self._step_started,
+                                   time.perf_counter(), after_another=previous is not None)
         self._complete_prefills(batch)
         self.clock.lap("launch")
         return launched
@@ -216,7 +229,9 @@ class LLMEngine:
         """A step's sampled tokens, read once; they move the constrained sequences' matchers."""
         if step.output is None:
             self.clock.lap("launch")  # what was queued before this wait
+            began = time.perf_counter()
             step.output = self.runner.collect(step)
+            self.timeline.collected(began, time.perf_counter())
             self.clock.lap("wait")
             self._advance_matchers(step.seqs, step.output.token_ids)
             self.clock.lap("grammar")

@@ -377,3 +377,15 @@ def test_batch_bench_ratio_to_the_engine_only_run(batch_api, tmp_path):
     assert f"## {BATCH_BENCH_TITLE}" in published and "python -m worker.loadgen.batch_bench --base-url" in published
     assert "--api-key …" in published and KEY not in published  # the file is committed
     assert f"| Batch / engine-only (target ≤ 1.1) | {result['ratio']:.3f} |" in published
+
+
+def test_waves_of_a_closed_loop_are_taken_in_the_order_sent():
+    """Requests are grouped by when they were sent, not by their place in the result: a slow first wave and
+    quick replacements show as two rows with their own numbers."""
+    from worker.loadgen.breakdown import waves_table
+    starts = [0.5, 0.0, 0.6, 0.1, 0.7, 0.2]  # wave 1 = the three sent first, interleaved in the lists
+    ttfts = [0.01, 1.0, 0.02, 2.0, 0.03, 3.0]
+    text = waves_table({"start": starts, "ttft": ttfts}, 3)
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        ["1", "3", "2000.0", "3000.0", "3000.0", "2000.0"], ["2", "3", "20.0", "30.0", "30.0", "20.0"]]

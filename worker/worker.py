@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import redis
 
+from engine.device_timeline import LAUNCHES
 from engine.engine import LLMEngine
 from engine.gc_policy import YOUNG_THRESHOLD, GcClock, settle_heap
 from engine.phases import PhaseClock
@@ -34,6 +35,7 @@ from worker.writer import HANDOVERS
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
+MIN_HOLD_S = 5e-4  # a launch is held back only when the device leaves at least this long
 
 
 def unique_worker_name(device: str = "") -> str:
@@ -56,6 +58,10 @@ class WorkerConfig:
     writer_handover: str = "after-launch"
     log_stats_interval_s: float = 10.0  # the "loop stats" log line (worker.loop_stats); 0: never
     gc_young_threshold: int = YOUNG_THRESHOLD  # engine/gc_policy.py
+    # when the next step is launched while the device runs the last: "early" (at once) or "just-in-time"
+    # (shortly before the device would run out of work, taking the requests that arrive until then into it;
+    # engine/device_timeline.py). Early stays the default until an H200 A/B says otherwise (.gpu/i.sh).
+    launch: str = "early"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -64,6 +70,8 @@ class WorkerConfig:
             raise ValueError("max_deliveries must be >= 1")
         if self.gc_young_threshold < 1:  # 0 would turn the collector off: cycles would never be freed
             raise ValueError("gc_young_threshold must be >= 1")
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"launch must be one of {LAUNCHES}, got {self.launch!r}")
         if self.writer_handover not in HANDOVERS:
             raise ValueError(f"writer_handover must be one of {HANDOVERS}, got {self.writer_handover!r}")
 
@@ -137,6 +145,7 @@ class Worker:
                 self._expire_deadlines()
                 self._update_capacity()  # after the intake: the reader reads while the step runs
                 if self.engine.has_work():
+                    self._take_until_launch()
                     self._step()
                     continue
                 self.writer.release()  # no next launch to wait for
@@ -189,6 +198,26 @@ class Worker:
     def _is_idle(self) -> bool:
         return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight and not self.compiling
                 and self.writer.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
+
+    def _take_until_launch(self) -> None:
+        """Just-in-time launch: while the device still has work for a while, take the requests that arrive (in a
+        closed loop, the replacements of the requests that just finished) so that the next step starts them,
+        not the one after it. Only when there are slots for them; the held outputs go to the writer first (they
+        are what the clients wait for, and the writer's Python runs while this thread sleeps)."""
+        if self.cfg.launch != "just-in-time" or self._quarantine or self.engine.num_free_slots == 0:
+            return
+        slack = self.engine.launch_slack_s()
+        if slack < MIN_HOLD_S:
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + slack
+        self.writer.release()
+        while (left := deadline - time.perf_counter()) > 0:
+            item = self.reader.take(timeout=left)
+            if item is not None:
+                self._accept(item)
+        if self.stats is not None:
+            self.stats.on_hold(time.perf_counter() - t0)
 
     def _wait_for_input(self) -> None:
         item = self.reader.take(timeout=0.02)

@@ -2,6 +2,7 @@
 id, with the JSON logs of the API and the workers (`gaggle up` writes them under DATA_DIR/logs).
 
     python -m worker.loadgen.breakdown served.json .gaggle/logs [--out BENCHMARKS.md]
+    python -m worker.loadgen.breakdown engine-only.json     (a closed loop's waves only)
 
 Each streamed request's client TTFT splits into five consecutive parts (all wall clock, one host):
 client sent → the API built the request (HTTP, parsing, tokenizing) → a worker took it (admission, enqueue, the
@@ -79,22 +80,46 @@ def breakdown_table(rows: list[tuple[float, ...]]) -> str:
                  ["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"], body)
 
 
+def waves_table(details: dict, concurrency: int) -> str:
+    """A closed loop's time to first token by wave: requests in the order they were sent, ``concurrency`` at a
+    time. The first wave arrives at once (its prompts queue for prefill); later ones replace finished requests,
+    which is what a steady closed loop sees."""
+    order = sorted((start, ttft) for start, ttft in zip(details["start"], details["ttft"]) if ttft is not None)
+    body = []
+    for first in range(0, len(order), concurrency):
+        ttfts = [1e3 * ttft for _, ttft in order[first:first + concurrency]]
+        body.append([f"{first // concurrency + 1}", str(len(ttfts))]
+                    + [f"{percentile(ttfts, q):.1f}" for q in (0.5, 0.9, 0.99)] + [f"{sum(ttfts) / len(ttfts):.1f}"])
+    return table(f"Time to first token by wave of {concurrency} (requests in the order sent)",
+                 ["wave", "requests", "p50 ms", "p90 ms", "p99 ms", "mean ms"], body)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("result", help="a `gaggle bench --save-detailed --save-result` file of a served run")
-    ap.add_argument("logs", nargs="+", help="log files, or folders of *.log (the API's and the workers')")
+    ap.add_argument("logs", nargs="*", help="log files, or folders of *.log (the API's and the workers'); without "
+                                            "them only the closed loop's waves")
     ap.add_argument("--out", default="-", help="append the table here ('-' = print only)")
     args = ap.parse_args(argv)
     result = orjson.loads(Path(args.result).read_bytes())
     if "details" not in result or "request_id" not in result["details"]:
         print("breakdown: the result has no per-request ids: run gaggle bench with --save-detailed", file=sys.stderr)
         return 2
-    paths = [p for arg in map(Path, args.logs) for p in (sorted(arg.glob("*.log")) if arg.is_dir() else [arg])]
-    rows = split(result["details"], *read_logs(paths))
-    if not rows:
-        print("breakdown: no request of the result is in those logs (INFO, JSON format needed)", file=sys.stderr)
+    tables = []
+    concurrency = result.get("config", {}).get("max_concurrency")
+    if concurrency and result["config"].get("request_rate") in ("inf", None):
+        tables.append(waves_table(result["details"], concurrency))
+    if args.logs:
+        paths = [p for arg in map(Path, args.logs) for p in (sorted(arg.glob("*.log")) if arg.is_dir() else [arg])]
+        rows = split(result["details"], *read_logs(paths))
+        if not rows:
+            print("breakdown: no request of the result is in those logs (INFO, JSON format needed)", file=sys.stderr)
+            return 2
+        tables.insert(0, breakdown_table(rows))
+    if not tables:
+        print("breakdown: no logs given and the run was no closed loop: nothing to show", file=sys.stderr)
         return 2
-    publish("TTFT breakdown", "worker.loadgen.breakdown", argv, breakdown_table(rows), args.out)
+    publish("TTFT breakdown", "worker.loadgen.breakdown", argv, "\n".join(tables), args.out)
     return 0
 
 
