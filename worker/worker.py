@@ -133,7 +133,7 @@ class Worker:
         settle_heap(self.cfg.gc_young_threshold)
         self.io.start()
         log.info("worker started", extra={"worker": self.cfg.name, "device": self.device,
-                                          "slots": self.engine.num_slots, "burst": burst})
+                                          "slots": self.engine.num_slots, "burst": burst, "launch": self.cfg.launch})
         try:
             while not self.stop_now:
                 if self.stats is not None:
