@@ -7,20 +7,16 @@ up 8000 --worker-arg=--max-num-seqs=1024 --api-workers 4 || exit 1
 W="--input-len 128 --output-len 256 --ignore-eos --temperature 1.0"
 L="--num-prompts 1024 --max-concurrency 256"
 for run in 1 2; do
-  step s256-$run 100 $GAGGLE bench $L $W --save-detailed --save-result "$R/s256-$run.json"
-  grep -E "Output token throughput|TTFT|ITL" "$R/s256-$run.log" | grep -v Mean
+  bench s256-$run 100 $L $W --save-detailed
 done
 step breakdown 60 python3 -m worker.loadgen.breakdown "$R/s256-2.json" .gpu/cache/data-8000/logs
 tail -20 "$R/breakdown.log"
 # the 1,024-stream load on the same service: k.sh runs it under just-in-time launch
-step s1024-early 150 $GAGGLE bench --num-prompts 4096 --max-concurrency 1024 $W --save-result "$R/s1024-early.json"
-grep -E "Output token throughput|TTFT|ITL" "$R/s1024-early.log" | grep -v Mean
+bench s1024-early 150 --num-prompts 4096 --max-concurrency 1024 $W
 grep '"loop stats"' .gpu/cache/data-8000/logs/worker-*.log > "$R/loopstats.log"
 tail -3 "$R/loopstats.log" | cut -c1-500
 down
-step engine-only 200 $GAGGLE bench --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 $L $W \
-  --save-result "$R/engine-only.json" --save-detailed
-grep -E "Output token throughput|TTFT|ITL" "$R/engine-only.log" | grep -v Mean
+bench engine-only 200 --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 $L $W --save-detailed
 step waves-engine-only 60 python3 -m worker.loadgen.breakdown "$R/engine-only.json"
 tail -8 "$R/waves-engine-only.log"
 pack

@@ -5,14 +5,12 @@ source .gpu/lib.sh
 W="--input-len 128 --output-len 256 --ignore-eos --temperature 1.0"
 L="--num-prompts 1024 --max-concurrency 256"
 up 8000 --worker-arg=--max-num-seqs=1024 --worker-arg=--min-prefill-chunk=512 --api-workers 4 || exit 1
-step s256-chunk512 100 $GAGGLE bench $L $W --save-detailed --save-result "$R/s256-chunk512.json"
-grep -E "Output token throughput|TTFT|ITL" "$R/s256-chunk512.log" | grep -v Mean
+bench s256-chunk512 100 $L $W --save-detailed
 step breakdown 60 python3 -m worker.loadgen.breakdown "$R/s256-chunk512.json" .gpu/cache/data-8000/logs
 tail -8 "$R/breakdown.log"
 down
 for chunk in 512 8192; do
-  step engine-only-chunk$chunk 150 $GAGGLE bench --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 \
-    --min-prefill-chunk $chunk $L $W --save-result "$R/engine-only-chunk$chunk.json"
-  grep -E "Output token throughput|TTFT|ITL" "$R/engine-only-chunk$chunk.log" | grep -v Mean
+  bench engine-only-chunk$chunk 150 --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 \
+    --min-prefill-chunk $chunk $L $W
 done
 pack

@@ -9,13 +9,11 @@ W="--input-len 128 --output-len 256 --ignore-eos --temperature 1.0"
 L="--num-prompts 1024 --max-concurrency 256"
 up 8000 --worker-arg=--max-num-seqs=1024 --worker-arg=--launch=just-in-time --api-workers 4 || exit 1
 for run in 1 2; do
-  step s256-jit-$run 100 $GAGGLE bench $L $W --save-detailed --save-result "$R/s256-jit-$run.json"
-  grep -E "Output token throughput|TTFT|ITL" "$R/s256-jit-$run.log" | grep -v Mean
+  bench s256-jit-$run 100 $L $W --save-detailed
 done
 step breakdown 60 python3 -m worker.loadgen.breakdown "$R/s256-jit-2.json" .gpu/cache/data-8000/logs
 tail -20 "$R/breakdown.log"
-step s1024-jit 150 $GAGGLE bench --num-prompts 4096 --max-concurrency 1024 $W --save-result "$R/s1024-jit.json"
-grep -E "Output token throughput|TTFT|ITL" "$R/s1024-jit.log" | grep -v Mean
+bench s1024-jit 150 --num-prompts 4096 --max-concurrency 1024 $W
 grep '"loop stats"' .gpu/cache/data-8000/logs/worker-*.log > "$R/loopstats.log"
 tail -4 "$R/loopstats.log" | cut -c1-600
 down

@@ -24,6 +24,12 @@ step() {
   echo "== $name rc=$rc $(( $(date +%s) - s ))s (t=$(( $(date +%s) - T0 ))s)"
   return $rc
 }
+# bench NAME LIMIT_S ARGS...: gaggle bench with ARGS, its result in $R/NAME.json, its headline numbers here
+bench() {
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" $GAGGLE bench "$@" --save-result "$R/$name.json"
+  grep -E "Output token throughput|TTFT|ITL" "$R/$name.log" | grep -v Mean
+}
 model() {  # the 1.5B random bf16 model, once a lease
   [ -f .gpu/cache/m15.pth ] || $GAGGLE demo-model --preset 1.5b --out .gpu/cache/m15.pth > "$R/model.log" 2>&1
 }
