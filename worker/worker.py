@@ -202,9 +202,11 @@ class Worker:
     def _take_until_launch(self) -> None:
         """Just-in-time launch: while the device still has work for a while, take the requests that arrive (in a
         closed loop, the replacements of the requests that just finished) so that the next step starts them,
-        not the one after it. Only when there are slots for them; the held outputs go to the writer first (they
-        are what the clients wait for, and the writer's Python runs while this thread sleeps)."""
-        if self.cfg.launch != "just-in-time" or self._quarantine or self.engine.num_free_slots == 0:
+        not the one after it. Only when there are slots for them (and not draining: no new entries come); the
+        held outputs go to the writer first (they are what the clients wait for, and the writer's Python runs
+        while this thread sleeps)."""
+        if (self.cfg.launch != "just-in-time" or self.draining or self._quarantine
+                or self.engine.num_free_slots == 0):
             return
         slack = self.engine.launch_slack_s()
         if slack < MIN_HOLD_S:
