@@ -67,7 +67,6 @@ class LLMEngine:
         self._mask_rows: list[torch.Tensor] = []  # two host buffers of bitmask rows, used in turn
         self.clock = PhaseClock()  # host seconds per phase of step()
         self.timeline = DeviceTimeline()  # when the device will be done with what was launched
-        self._step_started = 0.0
 
     # -- public API ---------------------------------------------------------------
 
@@ -192,10 +191,9 @@ class LLMEngine:
         ``after_launch``: called once the next step is launched, before waiting for the device — where another
         thread's Python (the worker's writer) costs the loop nothing: started earlier, it takes the GIL from
         the launch, whose every torch call releases it."""
-        self.clock.start()
-        self._step_started = time.perf_counter()
+        started = self.clock.start()
         previous = self._launched
-        self._launched = self._launch(previous)
+        self._launched = self._launch(previous, started)
         if after_launch is not None:
             after_launch()
         outputs = self._finish_step(previous) if previous is not None else []
@@ -204,7 +202,7 @@ class LLMEngine:
             self._launched = None
         return outputs
 
-    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep | None:
+    def _launch(self, previous: LaunchedStep | None, started: float) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.clock.lap("schedule")
@@ -213,7 +211,7 @@ class LLMEngine:
         self.clock.lap("schedule")
         launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
         if launched is not None:
-            self.timeline.launched(len(launched.seqs), batch.num_tokens - len(batch.decodes), self._step_started,
+            self.timeline.launched(len(launched.seqs), batch.num_tokens - len(batch.decodes), started,
                                    time.perf_counter(), after_another=previous is not None)
         self._complete_prefills(batch)
         self.clock.lap("launch")

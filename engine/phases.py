@@ -14,10 +14,11 @@ class PhaseClock:
         self.steps = 0
         self._last = time.perf_counter()
 
-    def start(self) -> None:
-        """A step begins: time until here (the caller's own work) is nobody's phase."""
+    def start(self) -> float:
+        """A step begins: time until here (the caller's own work) is nobody's phase. Returns the time it began."""
         self._last = time.perf_counter()
         self.steps += 1
+        return self._last
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
