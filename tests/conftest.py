@@ -67,6 +67,13 @@ def redis_url(redis_server):
     client.flushall()
 
 
+@pytest.fixture()
+def r(redis_url):
+    """A client of the test's (flushed) Redis."""
+    import redis
+    return redis.Redis.from_url(redis_url)
+
+
 @pytest.fixture(autouse=True)
 def _no_stray_workers():
     """Worker processes a test started never outlive it, even when it fails or times out.

@@ -8,7 +8,6 @@ import time
 
 import orjson
 import pytest
-import redis
 
 from engine.config import EngineConfig
 from engine.device_timeline import DeviceTimeline
@@ -72,11 +71,6 @@ def test_no_estimate_without_a_step_in_flight_or_a_measured_one():
     run_steps(timeline, [(16, 0)] * 4)
     timeline.collected(1.0, 1.01)  # the last one collected: nothing in flight
     assert timeline.slack_s(1.02) == 0.0
-
-
-@pytest.fixture()
-def r(redis_url):
-    return redis.Redis.from_url(redis_url)
 
 
 class RecordingRunner:

@@ -24,11 +24,6 @@ def prompt(i: int) -> list[int]:
     return [1 + (i * 7919 + k * 104729) % 65000 for k in range(5 + i % 7)]
 
 
-@pytest.fixture()
-def r(redis_url):
-    return redis.Redis.from_url(redis_url)
-
-
 class InProcessWorker:
     """A Worker on a thread, for tests that need to look inside the engine."""
 
