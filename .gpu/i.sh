@@ -16,7 +16,8 @@ bench s1024-early 150 --num-prompts 4096 --max-concurrency 1024 $W
 grep '"loop stats"' .gpu/cache/data-8000/logs/worker-*.log > "$R/loopstats.log"
 tail -3 "$R/loopstats.log" | cut -c1-500
 down
-bench engine-only 200 --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 $L $W --save-detailed
+before 400 || { echo "== engine-only skipped (t=$(( $(date +%s) - T0 ))s)"; pack; exit 0; }
+bench engine-only 150 --engine-only --model .gpu/cache/m15.pth --max-num-seqs 1024 $L $W --save-detailed
 step waves-engine-only 60 python3 -m worker.loadgen.breakdown "$R/engine-only.json"
 tail -8 "$R/waves-engine-only.log"
 pack

@@ -48,5 +48,8 @@ up() {
   echo "== up $port NOT ready"; tail -20 "$R/up-$port.log"; return 1
 }
 down() { pkill -INT -f "worker.cli up" ; sleep 8; pkill -9 -f "worker.cli" ; pkill -9 -f redis-server; true; }
+# before SECONDS: true while the call has run less than that (a call is cut at 600 s, and a cut call brings back
+# nothing packed): optional steps last, behind it
+before() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }
 # pack: everything under $R in one archive (the device tool brings back only a few files a call)
 pack() { (cd "$R" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz "$R/all.tgz"); }
