@@ -17,6 +17,7 @@ done
 wait; echo "== compiled t=$(( $(date +%s) - T0 ))s"; tail -qn1 "$R"/compile-*.log
 for round in 1 2; do
   for s in "${SETTINGS[@]}"; do
+    before 520 || break 2
     TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$round" 100 python3 .gpu/switch_ab.py $s
   done
 done
