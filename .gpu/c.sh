@@ -1,14 +1,11 @@
 # Call C: the sampler's settings A/B'd in one call. Each setting has its own Triton cache, compiled in parallel
 # first; then timed one at a time, interleaved twice (session 14: processes differ by 10-50% on rows no setting
 # touches, so only a difference repeated in both rounds counts).
-#   INEXACT_SHAPE=1024,8,1: the filter / logprobs variants with 8 warps a program (198 registers: one an SM)
-#   INEXACT_SHAPE=2048,16,1: 16 warps (capped at 128 registers, 112 bytes of spills: one an SM)
 #   SPLIT_PREPARED=off: penalties / bias rows at <= 16 a step back in the wide shape (on: the split race)
 #   PROCESSED_ONE_PASS=off: penalties / bias rows with no filters through the scratch row (on: one pass)
 #   VOCAB_TABLE=off: the race's per-id hash computed for every value (on: read from a 256 KB table)
 source .gpu/lib.sh
-SETTINGS=("" "INEXACT_SHAPE=1024,8,1" "INEXACT_SHAPE=2048,16,1" "SPLIT_PREPARED=off" "PROCESSED_ONE_PASS=off"
-  "VOCAB_TABLE=off")
+SETTINGS=("" "SPLIT_PREPARED=off" "PROCESSED_ONE_PASS=off" "VOCAB_TABLE=off")
 tag_of() { local t=${1:-defaults}; t=${t//=/-}; echo "${t//,/-}"; }
 cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
 for s in "${SETTINGS[@]}"; do

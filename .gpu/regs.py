@@ -1,5 +1,5 @@
 """Registers and spills of the sampler kernel's variants compiled for sm_90a on this machine (no GPU needed):
-python .gpu/regs.py [--filters] [NAME=VALUE ...] [maxnreg=N], e.g. INEXACT_SHAPE=2048,16,1 (a module setting of
+python .gpu/regs.py [--filters] [NAME=VALUE ...] [maxnreg=N], e.g. SPLIT_ROWS=8 (a module setting of
 engine.cuda.sampling: on / off, a number, or a tuple) maxnreg=128."""
 import os
 import subprocess

@@ -1,5 +1,5 @@
 """The sampler table at batch 1 and 1,024 with the kernel's module settings set: python .gpu/switch_ab.py
-[--compile-only] [NAME=VALUE ...], e.g. INEXACT_SHAPE=1024,8,4 (engine.cuda.sampling's settings: on / off for
+[--compile-only] [NAME=VALUE ...], e.g. VOCAB_TABLE=off (engine.cuda.sampling's settings: on / off for
 a constexpr switch, a number, or a tuple). Run each setting in its own process and Triton cache (.gpu/c.sh
 compiles them all in parallel first, then times them one at a time)."""
 import sys

@@ -111,12 +111,6 @@ VOCAB_TABLE = tl.constexpr(True)
 # latency-bound at a few TB/s
 STAGES = tl.constexpr(3)
 FEW_ROWS = 256  # up to this many rows an exact variant runs the wide shape (``config_for``)
-# The launch shape of the variants whose sums depend on it (filters, logprobs), one for every batch size (batch
-# invariance), as (block, num_warps, programs an SM); None: the exact variants' shape for many rows. A filter
-# variant holds 218-249 registers a thread at 4 warps (two programs an SM, 8 warps: latency-bound); more warps a
-# program split its lane arrays over more threads (.gpu/regs.py prints each shape's registers). None until
-# measured on a GPU (.gpu/c.sh times the candidates)
-INEXACT_SHAPE: tuple[int, int, int] | None = None
 SPLIT_ROWS = 16  # up to this many rows a plain exact step runs the split race
 # and a step with processed rows (penalties, bias, a ban, a grammar mask) too, each program processing its own
 # segment first: penalties + logit_bias at batch 1 took 0.114 ms in the wide shape (two passes on one SM;
@@ -158,13 +152,12 @@ def config_for(vocab_size: int, rows: int = 0, exact: bool = False, plain: bool 
             KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
     if small_vocab:  # tests and small models: several chunks and a small band, to exercise both
         return KernelConfig(block=256, cap=64, num_warps=4)
-    if not exact and INEXACT_SHAPE is not None:
-        block, warps, per_sm = INEXACT_SHAPE
-        return KernelConfig(block=block, cap=1024, num_warps=warps, programs_per_sm=per_sm)
     # small programs, 8 an SM: a row's chunk loop waits on its loads and barriers, and programs that wait
     # independently hide each other's waits (session 11 on the H200, against block 2,048 / 16 warps / 1 an SM:
     # T=1 0.36 -> 0.31 ms, top_p 0.9 1.02 -> 0.88, top_k 50 0.95 -> 0.72, logprobs 0.79 -> 0.51 at batch 1,024);
-    # cap 1,024 keeps the band's sort a few microseconds
+    # cap 1,024 keeps the band's sort a few microseconds. The filter and logprobs variants keep it too: with 8 or
+    # 16 warps a program (one an SM) they took top_p 0.9 at batch 1,024 from 0.65-0.80 to 0.90-1.09 ms and
+    # logprobs 5 from 0.55-0.58 to 0.78-1.04 (session 17 on the H200, BENCHMARKS)
     return KernelConfig(block=1024, cap=1024, num_warps=4, programs_per_sm=8)
 
 
