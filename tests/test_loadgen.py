@@ -234,7 +234,7 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
     """Every request of the run is found in the API's and the worker's logs, and its five parts follow one
     another in time (each ≥ 0 but for the API's millisecond stamps; a request joined with another's log lines,
     or a worker time taken from the wrong origin, breaks the order)."""
-    from worker.loadgen.breakdown import main, read_logs, split
+    from worker.loadgen.breakdown import main, read_logs, split, worker_split
     _, path, result = served
     details = result["details"]
     assert all(rid and rid.startswith("cmpl-") for rid in details["request_id"])
@@ -243,8 +243,17 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
     for parts in rows:
         assert all(p > -0.002 for p in parts), parts
         assert parts[2] > 0  # the engine took some time to prefill and step
+    worker, _ = read_logs([Path(p) for p in SERVICE_LOGS])
+    inner = worker_split(details, worker)
+    assert len(inner) == 8
+    for rid, (to_engine, to_launch, to_first) in inner.items():
+        # in time order (the logs' millisecond stamps aside), and the three make up the worker's part
+        assert min(to_engine, to_launch, to_first) > -0.002, (to_engine, to_launch, to_first)
+        w = worker[rid]
+        assert to_engine + to_launch + to_first == pytest.approx(w["ttft_s"] - w["queued_s"], abs=1e-6)
     assert main([str(path), *SERVICE_LOGS, "--out", str(tmp_path / "b.md")]) == 0
-    assert "→ first token on the worker" in (tmp_path / "b.md").read_text()
+    text = (tmp_path / "b.md").read_text()
+    assert "→ first token on the worker" in text and "→ last prompt chunk launched" in text
 
 
 def test_chat_with_a_rate_and_a_concurrency_limit(api_url):

@@ -8,7 +8,10 @@ Each streamed request's client TTFT splits into five consecutive parts (all wall
 client sent → the API built the request (HTTP, parsing, tokenizing) → a worker took it (admission, enqueue, the
 stream, the worker's reader) → the worker had its first token (the engine: waiting, prefill, the step) → the API
 had it (the worker's writer, pub/sub, the API's dispatch) → the client read it (SSE). The API's log stamps are
-rounded to the millisecond.
+rounded to the millisecond. The worker's part splits further (a second table): → the engine had it (the step
+loop took it from the reader's inbox: "request queued") → its last prompt chunk was launched ("prefill done":
+waiting for a step and for prefill budget) → its first token was folded for the writer (the device's steps and
+the loop's read-back).
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from engine.report import publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
          "→ first token at the API", "→ first token at the client")
+WORKER_PARTS = ("took it → in the engine (accepted)", "→ last prompt chunk launched", "→ first token on the worker")
+# the worker-side stamps the inner split reads, by (logger, message): the API logs a "request queued" too
+STAMPS = {("engine.engine", "request queued"): "queued", ("engine.engine", "prefill done"): "prefilled"}
 
 
 def read_logs(paths: list[Path]) -> tuple[dict[str, dict], dict[str, float]]:
-    """From JSON log lines: each request's worker-side times ("request finished": created, queued_s, ttft_s)
-    and the API's first-token stamps."""
-    worker, api_first = {}, {}
+    """From JSON log lines: each request's worker-side times ("request finished": created, queued_s, ttft_s,
+    and the stamps of ``STAMPS`` when logged before it) and the API's first-token stamps."""
+    worker, api_first, stamps = {}, {}, {}
     for path in paths:
         with open(path, "rb") as f:
             for line in f:
@@ -42,7 +48,9 @@ def read_logs(paths: list[Path]) -> tuple[dict[str, dict], dict[str, float]]:
                 if rid is None:
                     continue
                 if msg == "request finished" and "ttft_s" in entry:
-                    worker[rid] = entry
+                    worker[rid] = {**entry, **stamps.pop(rid, {})}
+                elif (entry.get("logger"), msg) in STAMPS:
+                    stamps.setdefault(rid, {}).setdefault(STAMPS[entry["logger"], msg], entry["ts"])
                 elif msg == "first token":
                     api_first.setdefault(rid, entry["ts"])
     return worker, api_first
@@ -62,21 +70,35 @@ def split(details: dict, worker: dict[str, dict], api_first: dict[str, float]) -
     return rows
 
 
+def worker_split(details: dict, worker: dict[str, dict]) -> dict[str, tuple[float, ...]]:
+    """By id, each request of the result with both inner stamps: ``WORKER_PARTS`` in seconds (they add up to
+    the worker's part of its TTFT)."""
+    rows = {}
+    for rid in details["request_id"]:
+        w = worker.get(rid)
+        if w is None or "queued" not in w or "prefilled" not in w:
+            continue
+        took, first = w["request_created"] + w["queued_s"], w["request_created"] + w["ttft_s"]
+        rows[rid] = (w["queued"] - took, w["prefilled"] - w["queued"], first - w["prefilled"])
+    return rows
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def breakdown_table(rows: list[tuple[float, ...]]) -> str:
+def breakdown_table(rows: list[tuple[float, ...]], parts: tuple[str, ...] = PARTS,
+                    title: str = "Time to first token, part by part", total: str = "client TTFT") -> str:
     body = []
-    for i, name in enumerate(PARTS):
+    for i, name in enumerate(parts):
         part = [r[i] for r in rows]
         body.append([name] + [f"{1e3 * percentile(part, q):.1f}" for q in (0.5, 0.9, 0.99)]
                     + [f"{1e3 * sum(part) / len(part):.1f}"])
     totals = [sum(r) for r in rows]
-    body.append(["client TTFT"] + [f"{1e3 * percentile(totals, q):.1f}" for q in (0.5, 0.9, 0.99)]
+    body.append([total] + [f"{1e3 * percentile(totals, q):.1f}" for q in (0.5, 0.9, 0.99)]
                 + [f"{1e3 * sum(totals) / len(totals):.1f}"])
-    return table(f"Time to first token, part by part ({len(rows)} requests joined)",
+    return table(f"{title} ({len(rows)} requests joined)",
                  ["part", "p50 ms", "p90 ms", "p99 ms", "mean ms"], body)
 
 
@@ -111,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(waves_table(result["details"], concurrency))
     if args.logs:
         paths = [p for arg in map(Path, args.logs) for p in (sorted(arg.glob("*.log")) if arg.is_dir() else [arg])]
-        rows = split(result["details"], *read_logs(paths))
+        worker, api_first = read_logs(paths)
+        rows = split(result["details"], worker, api_first)
         if not rows:
             print("breakdown: no request of the result is in those logs (INFO, JSON format needed)", file=sys.stderr)
             return 2
+        inner = worker_split(result["details"], worker)
+        if inner:
+            tables.insert(0, breakdown_table(list(inner.values()), WORKER_PARTS, "Inside the worker", "the worker's part"))
         tables.insert(0, breakdown_table(rows))
     if not tables:
         print("breakdown: no logs given and the run was no closed loop: nothing to show", file=sys.stderr)
