@@ -6,11 +6,10 @@ id, with the JSON logs of the API and the workers (`gaggle up` writes them under
 
 Each streamed request's client TTFT splits into five consecutive parts (all wall clock, one host):
 client sent → the API built the request (HTTP, parsing, tokenizing) → a worker took it (admission, enqueue, the
-stream, the worker's reader) → the worker had its first token (the engine: waiting, prefill, the step) → the API
+stream, the worker's reader, and its step loop coming round to the inbox after the device's step in flight) → the worker had its first token (the engine: waiting, prefill, the step) → the API
 had it (the worker's writer, pub/sub, the API's dispatch) → the client read it (SSE). The API's log stamps are
-rounded to the millisecond. The worker's part splits further (a second table): → the engine had it (the step
-loop took it from the reader's inbox: "request queued") → its last prompt chunk was launched ("prefill done":
-waiting for a step and for prefill budget) → its first token was folded for the writer (the device's steps and
+rounded to the millisecond. The worker's part splits further (a second table): → the engine had it (the entry
+accepted: "request queued") → its last prompt chunk was launched ("prefill done": waiting for prefill budget) → its first token was folded for the writer (the device's steps and
 the loop's read-back).
 """
 
