@@ -1,6 +1,6 @@
 """Registers and spills of the sampler kernel's variants compiled for sm_90a on this machine (no GPU needed):
 python .gpu/regs.py [--filters] [NAME=VALUE ...] [maxnreg=N], e.g. SPLIT_ROWS=8 (a module setting of
-engine.cuda.sampling: on / off, a number, or a tuple) maxnreg=128."""
+engine.cuda.sampling: on / off, or a number) maxnreg=128."""
 import os
 import subprocess
 import sys

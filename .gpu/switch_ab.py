@@ -1,6 +1,6 @@
 """The sampler table at batch 1 and 1,024 with the kernel's module settings set: python .gpu/switch_ab.py
 [--compile-only] [NAME=VALUE ...], e.g. VOCAB_TABLE=off (engine.cuda.sampling's settings: on / off for
-a constexpr switch, a number, or a tuple). Run each setting in its own process and Triton cache (.gpu/c.sh
+a constexpr switch, or a number). Run each setting in its own process and Triton cache (.gpu/c.sh
 compiles them all in parallel first, then times them one at a time)."""
 import sys
 
@@ -8,9 +8,7 @@ import triton.language as tl
 
 
 def setting(value: str):
-    """on / off: a constexpr switch; N: a number; A,B,C: a tuple of numbers."""
-    if "," in value:
-        return tuple(int(v) for v in value.split(","))
+    """on / off: a constexpr switch; N: a number."""
     return int(value) if value.isdigit() else tl.constexpr(value == "on")
 
 
