@@ -6,11 +6,12 @@ id, with the JSON logs of the API and the workers (`gaggle up` writes them under
 
 Each streamed request's client TTFT splits into five consecutive parts (all wall clock, one host):
 client sent → the API built the request (HTTP, parsing, tokenizing) → a worker took it (admission, enqueue, the
-stream, the worker's reader, and its step loop coming round to the inbox after the device's step in flight) → the worker had its first token (the engine: waiting, prefill, the step) → the API
-had it (the worker's writer, pub/sub, the API's dispatch) → the client read it (SSE). The API's log stamps are
-rounded to the millisecond. The worker's part splits further (a second table): → the engine had it (the entry
-accepted: "request queued") → its last prompt chunk was launched ("prefill done": waiting for prefill budget) → its first token was folded for the writer (the device's steps and
-the loop's read-back).
+stream, the worker's reader, and its step loop coming round to the inbox after the device's step in flight) → the
+worker had its first token (the engine: waiting, prefill, the step) → the API had it (the worker's writer, pub/sub,
+the API's dispatch) → the client read it (SSE). The API's log stamps are rounded to the millisecond. The worker's
+part splits further (a second table): → the engine had it (the entry accepted: "request queued") → its last prompt
+chunk was launched ("prefill done": waiting for prefill budget) → its first token was folded for the writer (the
+device's steps and the loop's read-back).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from engine.report import publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
          "→ first token at the API", "→ first token at the client")
-WORKER_PARTS = ("took it → in the engine (accepted)", "→ last prompt chunk launched", "→ first token on the worker")
+WORKER_PARTS = ("took it → in the engine (accepted)", "→ last prompt chunk launched",
+                "→ first token on the worker")
 # the worker-side stamps the inner split reads, by (logger, message): the API logs a "request queued" too
 STAMPS = {("engine.engine", "request queued"): "queued", ("engine.engine", "prefill done"): "prefilled"}
 
@@ -55,6 +57,11 @@ def read_logs(paths: list[Path]) -> tuple[dict[str, dict], dict[str, float]]:
     return worker, api_first
 
 
+def took_and_first(w: dict) -> tuple[float, float]:
+    """When the worker's loop took a request and when it had its first token, from its "request finished" line."""
+    return w["request_created"] + w["queued_s"], w["request_created"] + w["ttft_s"]
+
+
 def split(details: dict, worker: dict[str, dict], api_first: dict[str, float]) -> list[tuple[float, ...]]:
     """Per joined request: the five parts in seconds (they add up to its client TTFT)."""
     rows = []
@@ -62,8 +69,7 @@ def split(details: dict, worker: dict[str, dict], api_first: dict[str, float]) -
         w = worker.get(rid)
         if rid is None or ttft is None or w is None or rid not in api_first:
             continue
-        created = w["request_created"]
-        took, first = created + w["queued_s"], created + w["ttft_s"]
+        created, (took, first) = w["request_created"], took_and_first(w)
         rows.append((created - sent, took - created, first - took, api_first[rid] - first,
                      sent + ttft - api_first[rid]))
     return rows
@@ -77,7 +83,7 @@ def worker_split(details: dict, worker: dict[str, dict]) -> dict[str, tuple[floa
         w = worker.get(rid)
         if w is None or "queued" not in w or "prefilled" not in w:
             continue
-        took, first = w["request_created"] + w["queued_s"], w["request_created"] + w["ttft_s"]
+        took, first = took_and_first(w)
         rows[rid] = (w["queued"] - took, w["prefilled"] - w["queued"], first - w["prefilled"])
     return rows
 
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         inner = worker_split(result["details"], worker)
         if inner:
-            tables.insert(0, breakdown_table(list(inner.values()), WORKER_PARTS, "Inside the worker", "the worker's part"))
+            tables.insert(0, breakdown_table(list(inner.values()), WORKER_PARTS, "Inside the worker",
+                                             "the worker's part"))
         tables.insert(0, breakdown_table(rows))
     if not tables:
         print("breakdown: no logs given and the run was no closed loop: nothing to show", file=sys.stderr)
