@@ -234,7 +234,7 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
     """Every request of the run is found in the API's and the worker's logs, and its five parts follow one
     another in time (each ≥ 0 but for the API's millisecond stamps; a request joined with another's log lines,
     or a worker time taken from the wrong origin, breaks the order)."""
-    from worker.loadgen.breakdown import main, read_logs, split, worker_split
+    from worker.loadgen.breakdown import intake_split, main, read_logs, split, worker_split
     _, path, result = served
     details = result["details"]
     assert all(rid and rid.startswith("cmpl-") for rid in details["request_id"])
@@ -251,9 +251,16 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
         assert min(to_engine, to_launch, to_first) > -0.002, (to_engine, to_launch, to_first)
         w = worker[rid]
         assert to_engine + to_launch + to_first == pytest.approx(w["ttft_s"] - w["queued_s"], abs=1e-6)
+    # the reader had each entry after the API built it and before the loop took it: the two make up the second part
+    intake = intake_split(details, worker)
+    assert len(intake) == 8
+    for (to_reader, to_loop), parts in zip(intake, rows):
+        assert to_reader > 0 and to_loop >= 0, (to_reader, to_loop)
+        assert to_reader + to_loop == pytest.approx(parts[1], abs=1e-5)
     assert main([str(path), *SERVICE_LOGS, "--out", str(tmp_path / "b.md")]) == 0
     text = (tmp_path / "b.md").read_text()
     assert "→ first token on the worker" in text and "→ last prompt chunk launched" in text
+    assert "the worker's reader had it" in text
 
 
 def test_chat_with_a_rate_and_a_concurrency_limit(api_url):

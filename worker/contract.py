@@ -475,7 +475,7 @@ class Result:
     error: dict | None = None  # {"message", "type", "code"}
     worker: str = ""
     meta: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)  # queued_s, ttft_s, e2e_s
+    timings: dict = field(default_factory=dict)  # queued_s, ttft_s, e2e_s (and read_s: when the reader had it)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -62,6 +62,7 @@ class Incoming:
     deliveries: int
     has_result: bool = False
     cancelled: bool = False
+    read_at: float | None = None  # when the reader had it (wall clock): the breakdown splits Redis from the inbox
 
 
 @dataclass
@@ -306,6 +307,7 @@ class Reader:
 
     def _deliver(self, stream: str, entries: list[tuple[bytes, dict | None, int]]) -> None:
         """Look up existing results and cancel marks in one round trip, then hand over."""
+        read_at = time.time()
         pipe = self.redis.pipeline(transaction=False)
         rids = []
         for _, fields, _ in entries:
@@ -321,7 +323,7 @@ class Reader:
             has_result, cancelled = bool(next(replies)), bool(next(replies))
             self._delivered += 1
             self.inbox.put(Incoming(stream, eid, fields or None, deliveries, has_result and rid is not None,
-                                    cancelled and rid is not None))
+                                    cancelled and rid is not None, read_at))
 
     # -- reclaim and audit ------------------------------------------------------------------------
 

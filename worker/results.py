@@ -16,6 +16,7 @@ class InFlight:
     stream: str
     entry_id: bytes
     received: float = field(default_factory=time.time)
+    read_at: float | None = None  # when the reader had its entry (the loop took it at ``received``)
     first_token: float | None = None
     last_token: float | None = None  # when the engine ended its last choice (the step's time, not the writer's)
     choices: list[Choice] = field(init=False)
@@ -76,12 +77,14 @@ class InFlight:
         # finished when the engine ended it: the writer folds a step's outputs later (after the next launch)
         now = self.last_token if self.is_done and self.last_token is not None else time.time()
         req = self.request
+        timings = {"queued_s": round(self.received - req.created, 6)}
+        if self.read_at is not None:
+            timings["read_s"] = round(self.read_at - req.created, 6)
         return Result(
             id=req.id, status=STATUS_COMPLETED, endpoint=req.endpoint, model=req.model, tenant=req.tenant,
             created=req.created, finished=now, choices=self.choices, prompt_tokens=self.num_prompt_tokens,
             completion_tokens=sum(len(ch.token_ids) for ch in self.choices), worker=worker, meta=req.meta,
-            timings={"queued_s": round(self.received - req.created, 6),
-                     "ttft_s": round((self.first_token or now) - req.created, 6),
+            timings={**timings, "ttft_s": round((self.first_token or now) - req.created, 6),
                      "e2e_s": round(now - req.created, 6)})
 
 

@@ -92,6 +92,16 @@ TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
 # interleaved A/B: without them 0.94, with 0.62-0.69 (BENCHMARKS). The filter variant's registers: 168 -> 218 a
 # thread (two 4-warp programs an SM either way; capping them at 168 or 128 measured no better, session 14).
 RUNNERS = tl.constexpr(4)
+# min_p rows race only over the values at or above the floor under the running maximum (a superset of what the
+# row's floor keeps: the floor only rises), so the race's best keys are mostly kept ones: min_p alone then needs
+# one pass where racing over everything left the winner under the floor in about half the flat rows (1.6 passes,
+# and runners-up that pass the skip test in more chunks). A block-wide max a chunk, for min_p rows only. Exact
+# either way (the best kept runner is the kept set's best key). On until the H200 says otherwise
+RUNNING_FLOOR = tl.constexpr(True)
+# logprobs rows' raw top-k read off each lane's two largest raw logits at the end of the stats pass
+# (``_raw_top_k``), where ``_top_insert`` took a block-wide argmax every chunk (and a loop where a chunk had new
+# top values). Exact: the same k ids and values. On until the H200 says otherwise
+LOGPROBS_LANE_BAND = tl.constexpr(True)
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
 # third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
 # written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
@@ -390,10 +400,11 @@ def _raw_lse_chunk(x, m, z):
 
 
 @triton.jit
-def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, band_v, band_i,
+def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, log_min_p, lp_k, want_band, band_v, band_i,
                 LOGPROBS: tl.constexpr, FILTER: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``; with
-    FILTER its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
+    FILTER its RUNNERS best keys too, over what min_p's floor under the running max keeps with
+    RUNNING_FLOOR), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
     and with FILTER and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
     not written). Accumulated lane by lane and reduced once: a reduction inside the loop is a block-wide
     barrier per chunk (only the race's skip test has one)."""
@@ -415,6 +426,10 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
     sec_l = tl.full([BLOCK], float("-inf"), tl.float32)  # FILTER: each lane's second value, its id, the third
     sec_i = tl.zeros([BLOCK], tl.int32)
     third_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    rarg_l = tl.zeros([BLOCK], tl.int32)  # LOGPROBS_LANE_BAND: each lane's raw maximum's id, second, third
+    rsec_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    rsec_i = tl.zeros([BLOCK], tl.int32)
+    rthird_l = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         s = _load_scaled(src, start + lanes, V, scale)
         if FILTER:
@@ -429,20 +444,31 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
         min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
             if FILTER:
-                c_key, c_id = _race_chunk_runners(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
+                keep = fin
+                if RUNNING_FLOOR:
+                    if log_min_p > float("-inf"):  # the floor so far is at most the row's: keeps all it keeps
+                        keep = fin & (s >= tl.max(m_l, 0) + log_min_p)
+                c_key, c_id = _race_chunk_runners(s, start, keep, row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
                                                   c_key, c_id)
             else:
                 w_key, w_id = _race_chunk(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V), w_key,
                                           w_id)
         if LOGPROBS and lp_k >= 0:
             x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
-            mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
             if lp_k > 0:
-                top_v, top_i = _top_insert(x, start, top_v, top_i)
+                if LOGPROBS_LANE_BAND:  # lane by lane, no reduction: the top-k is read off the lanes at the end
+                    rsec_l, rsec_i, rthird_l = _lane_second(x, start + lanes, mr_l, rarg_l, rsec_l, rsec_i, rthird_l)
+                    rarg_l = tl.where(x > mr_l, start + lanes, rarg_l)
+                else:
+                    top_v, top_i = _top_insert(x, start, top_v, top_i)
+            mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
     m = tl.max(m_l, 0)
     n_fin = tl.sum(n_l, 0)
     mean = tl.sum(s1_l, 0) / tl.maximum(n_fin, 1)
     std = tl.sqrt(tl.maximum(tl.sum(s2_l, 0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
+    if LOGPROBS and LOGPROBS_LANE_BAND:
+        if lp_k > 0:
+            top_v, top_i = _raw_top_k(x_row, V, mr_l, rarg_l, rsec_l, rsec_i, rthird_l, lp_k, BLOCK)
     m_raw = tl.max(mr_l, 0)
     z_raw = tl.sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
     arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
@@ -467,6 +493,32 @@ def _lane_second(s, ids, m_l, arg_l, sec_l, sec_i, third_l):
     sec_i = tl.where(above_max, arg_l, tl.where(above_sec, ids, sec_i))
     sec_l = tl.where(above_max, m_l, tl.where(above_sec, s, sec_l))
     return sec_l, sec_i, third_l
+
+
+@triton.jit
+def _raw_top_k(x_row, V, m_l, arg_l, sec_l, sec_i, third_l, k, BLOCK: tl.constexpr):
+    """The k largest raw logits (ties: the lower id) in ``_top_insert``'s buffers, from each lane's largest two
+    values: every value above b3, the largest of the lanes' third ones, is one of those, so when k are above it
+    the k largest are (and so are their ties). Else (fewer than k finite values, wide ties) ``_top_insert``'s
+    pass over the row."""
+    j = tl.arange(0, TOP_LOGPROBS)
+    top_v = tl.where(j < k, float("-inf"), float("inf"))
+    top_i = tl.zeros([TOP_LOGPROBS], tl.int32)
+    b3 = tl.max(third_l, 0)
+    key_m = tl.where(m_l > b3, _packed(m_l, arg_l), NONE_YET)
+    key_s = tl.where(sec_l > b3, _packed(sec_l, sec_i), NONE_YET)
+    if tl.sum((m_l > b3).to(tl.int32), 0) + tl.sum((sec_l > b3).to(tl.int32), 0) >= k:
+        for t in range(0, k):  # the largest left, k times (ids are distinct: so are the keys)
+            best = tl.maximum(tl.max(key_m, 0), tl.max(key_s, 0))
+            key_m = tl.where(key_m == best, NONE_YET, key_m)
+            key_s = tl.where(key_s == best, NONE_YET, key_s)
+            top_v = tl.where(j == t, _from_ordered((best >> 32).to(tl.int32)), top_v)
+            top_i = tl.where(j == t, 2147483647 - (best & 0xFFFFFFFF).to(tl.int32), top_i)
+    else:
+        for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+            x = tl.load(x_row + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < V, other=float("-inf"))
+            top_v, top_i = _top_insert(x, start, top_v, top_i)
+    return top_v, top_i
 
 
 @triton.jit
@@ -907,7 +959,7 @@ def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, maske
     top_p = tl.load(fp + F_TOP_P)
     log_min_p = tl.load(fp + F_LOG_MIN_P)
     m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
-        src, scale, x_row, V, row_key, vkeys, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
+        src, scale, x_row, V, row_key, vkeys, sampled & (k == 0), log_min_p, lp_k, sampled & (k > 0), band_v, band_i,
         LOGPROBS, FILTER, CAP, BLOCK)
     if sampled:
         if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):

@@ -26,6 +26,8 @@ from engine.report import publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
          "→ first token at the API", "→ first token at the client")
+INTAKE_PARTS = ("API built the request → the worker's reader had it (Redis, the reader's round trips)",
+                "→ the worker's loop took it (its inbox)")
 WORKER_PARTS = ("took it → in the engine (accepted)", "→ last prompt chunk launched",
                 "→ first token on the worker")
 # the worker-side stamps the inner split reads, by (logger, message): the API logs a "request queued" too
@@ -72,6 +74,17 @@ def split(details: dict, worker: dict[str, dict], api_first: dict[str, float]) -
         created, (took, first) = w["request_created"], took_and_first(w)
         rows.append((created - sent, took - created, first - took, api_first[rid] - first,
                      sent + ttft - api_first[rid]))
+    return rows
+
+
+def intake_split(details: dict, worker: dict[str, dict]) -> list[tuple[float, ...]]:
+    """Per request whose result has the reader's stamp: ``INTAKE_PARTS`` in seconds (they add up to the second
+    part of ``split``)."""
+    rows = []
+    for rid in details["request_id"]:
+        w = worker.get(rid)
+        if w is not None and "read_s" in w:
+            rows.append((w["read_s"], w["queued_s"] - w["read_s"]))
     return rows
 
 
@@ -147,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         if inner:
             tables.insert(0, breakdown_table(list(inner.values()), WORKER_PARTS, "Inside the worker",
                                              "the worker's part"))
+        intake = intake_split(result["details"], worker)
+        if intake:
+            tables.insert(0, breakdown_table(intake, INTAKE_PARTS, "Into the worker", "→ a worker took it"))
         tables.insert(0, breakdown_table(rows))
     if not tables:
         print("breakdown: no logs given and the run was no closed loop: nothing to show", file=sys.stderr)
