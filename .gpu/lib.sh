@@ -9,6 +9,11 @@ if [ ! -d /tmp/site/redis ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 export TRITON_CACHE_DIR=$PWD/.gpu/cache/triton TRITON_CACHE_AUTOTUNING=1
+# a fresh machine starts from the Triton cache an earlier call brought back (bring_cache), when it was carried
+# (`carry: [".whl", ".gpu/carry"]`): a cold `gaggle up` spent ~320 of its ~350 s compiling and autotuning
+if [ ! -d "$TRITON_CACHE_DIR" ] && [ -f .gpu/carry/triton.tgz ]; then
+  mkdir -p .gpu/cache && tar xzf .gpu/carry/triton.tgz -C .gpu/cache && echo "== Triton cache restored ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
+fi
 mkdir -p "$TRITON_CACHE_DIR"
 GAGGLE="python3 -m worker.cli"
 # preflight: every process gaggle up starts imports these (session 12 lost a call to an API crash-looping on a
@@ -53,3 +58,12 @@ down() { pkill -INT -f "worker.cli up" ; sleep 8; pkill -9 -f "worker.cli" ; pki
 before() { [ $(( $(date +%s) - T0 )) -lt "$1" ]; }
 # pack: everything under $R in one archive (the device tool brings back only a few files a call)
 pack() { (cd "$R" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz "$R/all.tgz"); }
+# bring_cache: after pack, the Triton cache in pieces of 15 MiB ($OUT/triton.tgz.aa, .ab, ...: a file back is at most
+# 16 MiB, 64 in all, and what travels at most 64 MiB with the wheels' ~23), when it is small enough; here:
+# `cat DIR/triton.tgz.* > .gpu/carry/triton.tgz`, then carry .gpu/carry
+bring_cache() {
+  tar czf /tmp/triton.tgz -C .gpu/cache triton
+  local mib=$(( $(stat -c %s /tmp/triton.tgz) / 1048576 ))
+  echo "== Triton cache: $(du -sh .gpu/cache/triton | cut -f1) on disk, ${mib} MiB packed"
+  [ "$mib" -lt 36 ] && split -b 15m /tmp/triton.tgz "$R/triton.tgz." || echo "== too large to bring back"
+}
