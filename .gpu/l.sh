@@ -1,3 +1,4 @@
+# (--gil-switch-ms was removed after this call measured no effect: the script ran at commit ad19bf3)
 # Call L (first of a lease: a cold `gaggle up`): the worker's GIL switch interval, CPython's 5 ms against 0.5 ms
 # (--gil-switch-ms), on issue 13's 256-stream closed loop and on Poisson arrivals (233/s, <= 256 in flight: where
 # session 10 found the served path adding ~40 ms to the engine's 15), each with the TTFT breakdown, which now

@@ -1,3 +1,4 @@
+# (RUNNING_FLOOR was removed after this call measured no gain: the script ran at commit ad19bf3)
 # Call M: session 18's two sampler changes A/B'd (c.sh's method: each setting compiled in its own Triton cache in
 # parallel, then timed one at a time, interleaved twice), then the sampler's GPU tests of the filter and logprobs
 # rows (the kernel against its torch twin, the distribution, determinism and batch invariance).

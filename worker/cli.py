@@ -136,7 +136,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
                        interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover,
                        launch=args.launch, log_stats_interval_s=args.log_stats_interval,
-                       gc_young_threshold=args.gc_young_threshold, gil_switch_ms=args.gil_switch_ms)
+                       gc_young_threshold=args.gc_young_threshold)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:
@@ -265,9 +265,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gc-young-threshold", type=int, default=YOUNG_THRESHOLD,
                    help="allocations between the garbage collector's young collections once serving (CPython's "
                         "default is 700; engine/gc_policy.py says why it is raised)")
-    p.add_argument("--gil-switch-ms", type=float, default=5.0,
-                   help="how long one of the worker's threads may hold the GIL while another waits (CPython's "
-                        "switch interval): the reader and the writer wait this long for it after each Redis reply")
     p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
     p.add_argument("--check", action="store_true",
                    help="exit 0 if the worker's heartbeat (--name; without it: any worker on this host) is fresh")

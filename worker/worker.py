@@ -13,7 +13,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,10 +62,6 @@ class WorkerConfig:
     # (shortly before the device would run out of work, taking the requests that arrive until then into it;
     # engine/device_timeline.py). Early stays the default until an H200 A/B says otherwise (.gpu/i.sh).
     launch: str = "early"
-    # how long a thread may hold the GIL while another waits for it (sys.setswitchinterval; CPython's default
-    # is 5 ms): the reader's and the writer's every Redis round trip gives the GIL up and waits to get it back
-    # from the loop's Python (a 256-stream decode step is ~4 ms on the H200)
-    gil_switch_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -75,8 +70,6 @@ class WorkerConfig:
             raise ValueError("max_deliveries must be >= 1")
         if self.gc_young_threshold < 1:  # 0 would turn the collector off: cycles would never be freed
             raise ValueError("gc_young_threshold must be >= 1")
-        if not 0 < self.gil_switch_ms <= 1000:
-            raise ValueError(f"gil_switch_ms must be in (0, 1000], got {self.gil_switch_ms}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"launch must be one of {LAUNCHES}, got {self.launch!r}")
         if self.writer_handover not in HANDOVERS:
@@ -138,11 +131,9 @@ class Worker:
     def run(self, burst: bool = False) -> None:
         """Serve until signalled (or, with ``burst``, until the streams and the engine are empty)."""
         settle_heap(self.cfg.gc_young_threshold)
-        sys.setswitchinterval(self.cfg.gil_switch_ms / 1e3)
         self.io.start()
         log.info("worker started", extra={"worker": self.cfg.name, "device": self.device,
-                                          "slots": self.engine.num_slots, "burst": burst, "launch": self.cfg.launch,
-                                          "gil_switch_ms": self.cfg.gil_switch_ms})
+                                          "slots": self.engine.num_slots, "burst": burst, "launch": self.cfg.launch})
         try:
             while not self.stop_now:
                 if self.stats is not None:

@@ -92,15 +92,11 @@ TABLE_BLOCK = tl.constexpr(16)   # bias / ban entries per vector step
 # interleaved A/B: without them 0.94, with 0.62-0.69 (BENCHMARKS). The filter variant's registers: 168 -> 218 a
 # thread (two 4-warp programs an SM either way; capping them at 168 or 128 measured no better, session 14).
 RUNNERS = tl.constexpr(4)
-# min_p rows race only over the values at or above the floor under the running maximum (a superset of what the
-# row's floor keeps: the floor only rises), so the race's best keys are mostly kept ones: min_p alone then needs
-# one pass where racing over everything left the winner under the floor in about half the flat rows (1.6 passes,
-# and runners-up that pass the skip test in more chunks). A block-wide max a chunk, for min_p rows only. Exact
-# either way (the best kept runner is the kept set's best key). On until the H200 says otherwise
-RUNNING_FLOOR = tl.constexpr(True)
 # logprobs rows' raw top-k read off each lane's two largest raw logits at the end of the stats pass
 # (``_raw_top_k``), where ``_top_insert`` took a block-wide argmax every chunk (and a loop where a chunk had new
-# top values). Exact: the same k ids and values. On until the H200 says otherwise
+# top values). Exact: the same k ids and values. Session 18 on the H200 (interleaved A/B, logprobs 5): batch 1
+# 0.19-0.28 -> 0.17-0.21 ms in both rounds; batch 1,024 0.52-0.64 against 0.59-0.63, no difference that repeated.
+# (A min_p race over the floor under the running maximum, the same session, measured no better: not kept.)
 LOGPROBS_LANE_BAND = tl.constexpr(True)
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
 # third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
@@ -400,11 +396,10 @@ def _raw_lse_chunk(x, m, z):
 
 
 @triton.jit
-def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, log_min_p, lp_k, want_band, band_v, band_i,
+def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, band_v, band_i,
                 LOGPROBS: tl.constexpr, FILTER: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``; with
-    FILTER its RUNNERS best keys too, over what min_p's floor under the running max keeps with
-    RUNNING_FLOOR), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
+    FILTER its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
     and with FILTER and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
     not written). Accumulated lane by lane and reduced once: a reduction inside the loop is a block-wide
     barrier per chunk (only the race's skip test has one)."""
@@ -444,11 +439,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, log_min_p, lp_k, 
         min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
         if do_race:
             if FILTER:
-                keep = fin
-                if RUNNING_FLOOR:
-                    if log_min_p > float("-inf"):  # the floor so far is at most the row's: keeps all it keeps
-                        keep = fin & (s >= tl.max(m_l, 0) + log_min_p)
-                c_key, c_id = _race_chunk_runners(s, start, keep, row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
+                c_key, c_id = _race_chunk_runners(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
                                                   c_key, c_id)
             else:
                 w_key, w_id = _race_chunk(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V), w_key,
@@ -959,7 +950,7 @@ def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, maske
     top_p = tl.load(fp + F_TOP_P)
     log_min_p = tl.load(fp + F_LOG_MIN_P)
     m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
-        src, scale, x_row, V, row_key, vkeys, sampled & (k == 0), log_min_p, lp_k, sampled & (k > 0), band_v, band_i,
+        src, scale, x_row, V, row_key, vkeys, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
         LOGPROBS, FILTER, CAP, BLOCK)
     if sampled:
         if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
