@@ -3,6 +3,7 @@
     python -m engine.bench --device cpu
     python -m engine.bench --device cuda --shapes 0.1b,1.5b,7.2b [--out BENCHMARKS.md]
     python -m engine.bench --device cuda --sampler-only --out -
+    python -m engine.bench --device cuda --sampler-only --sampler-graphed --out -
     python -m engine.bench --device cuda --prefill-only --shapes 1.5b --out -
 """
 
@@ -94,9 +95,11 @@ def sampler_mixes() -> list[tuple[str, dict]]:
             ("logprobs 5", dict(temperature=1.0, logprobs=5))]
 
 
-def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BATCHES) -> str:
+def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BATCHES, graphed: bool = False) -> str:
     """``Sampler.sample_device`` (the fused kernel, the counters' update; no transfer) per mix, on flat
-    (Gaussian σ=1: random weights, a nucleus over most of the vocabulary) and peaked (σ=6) logits."""
+    (Gaussian σ=1: random weights, a nucleus over most of the vocabulary) and peaked (σ=6) logits. ``graphed``:
+    also the same call captured in a CUDA graph and replayed (the device's time without the host's launches:
+    what the launches from Python cost is the difference)."""
     from engine.params import SamplingParams
     from engine.sampler import Sampler
 
@@ -114,9 +117,25 @@ def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BAT
             for b in batches:
                 slots = torch.arange(b, device="cuda")
                 times.append(cuda_time_ms(lambda: sampler.sample_device(x[:b], slots), iters=20))
+                if graphed:
+                    times.append(_graph_replay_ms(lambda: sampler.sample_device(x[:b], slots)))
             rows.append([name, f"σ={sigma:g}"] + [f"{ms:.3f}" for ms in times])
+    columns = [f"batch {b}{kind}" for b in batches for kind in ((", launched", ", graph replay") if graphed else ("",))]
     return table(f"Sampler (fused kernel, sample_device), vocab {vocab:,}: ms per step",
-                 ["parameters", "logits"] + [f"batch {b}" for b in batches], rows)
+                 ["parameters", "logits"] + columns, rows)
+
+
+def _graph_replay_ms(fn) -> float:
+    """``fn`` captured in a CUDA graph (after a run on a side stream, as capture wants), then its replay timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, iters=20)
 
 
 def preset_weights(name: str, dtype: torch.dtype | None = torch.bfloat16):
@@ -420,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action="store_true",
                     help="only the decode table (minutes less: no prefill, mixed step, bf16 state, drift)")
     ap.add_argument("--sampler-only", action="store_true", help="only the CUDA sampler table (a minute)")
+    ap.add_argument("--sampler-graphed", action="store_true",
+                    help="with --sampler-only: also each step replayed from a CUDA graph (the device's time alone)")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only a prefill step's time by size, graph and eager (the first of --shapes)")
     ap.add_argument("--host", action="store_true",
@@ -449,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         body, where = bench_cpu(), f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}"
     else:
         if args.sampler_only:
-            body = bench_sampler_cuda()
+            body = bench_sampler_cuda(graphed=args.sampler_graphed)
         elif args.prefill_only:
             body = bench_prefill_sizes(args.shapes.split(",")[0])
         else:
