@@ -24,8 +24,9 @@ for arg in (a for a in sys.argv[1:] if a != "--filters"):
         options["maxnreg"] = int(value)
     else:
         setattr(kernel, name, setting(value))
-for stages in ({"FILTER": f, "LOGPROBS": lp, "PREPARE": pr} for f in (True, False) for lp in (True, False)
-               for pr in (True, False) if f or not filters_only):
+for stages in ({"FILTER": f, "LOGPROBS": lp, "PREPARE": pr, "BAND": band} for f in (True, False)
+               for band in ((True, False) if f else (False,)) for lp in (True, False) for pr in (True, False)
+               if f or not filters_only):
     src, num_warps = sample_kernel_source(stages)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

@@ -1,5 +1,5 @@
 """The sampler table at batch 1 and 1,024 with the kernel's module settings set: python .gpu/switch_ab.py
-[--compile-only] [NAME=VALUE ...], e.g. VOCAB_TABLE=off (engine.cuda.sampling's settings: on / off for
+[--compile-only] [--graphed: each step also replayed from a CUDA graph, the device's time] [NAME=VALUE ...], e.g. VOCAB_TABLE=off (engine.cuda.sampling's settings: on / off for
 a constexpr switch, or a number). Run each setting in its own process and Triton cache (.gpu/c.sh
 compiles them all in parallel first, then times them one at a time)."""
 import sys
@@ -25,7 +25,7 @@ if __name__ == "__main__":
     import torch
 
     from engine.bench import bench_sampler_cuda
-    args = [a for a in sys.argv[1:] if a != "--compile-only"]
+    args = [a for a in sys.argv[1:] if a not in ("--compile-only", "--graphed")]
     apply(args)
     if "--compile-only" in sys.argv:
         from engine.sampler import Sampler
@@ -34,4 +34,4 @@ if __name__ == "__main__":
         print("compiled", " ".join(args) or "defaults")
     else:
         print(" ".join(args) or "defaults")
-        print(bench_sampler_cuda(batches=(1, 1024)))
+        print(bench_sampler_cuda(batches=(1, 1024), graphed="--graphed" in sys.argv))

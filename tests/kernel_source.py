@@ -13,8 +13,10 @@ POINTERS = {"logits": "fp32", "slots": "i64", "fparams": "fp32", "iparams": "i64
 
 
 def sample_kernel_source(stages: dict[str, bool], vocab_size: int = 65536):
-    """(ASTSource, num_warps) of ``_sample_kernel`` with ``stages`` (FILTER, LOGPROBS, PREPARE)."""
+    """(ASTSource, num_warps) of ``_sample_kernel`` with ``stages`` (FILTER, LOGPROBS, PREPARE; BAND, the lane
+    band, with FILTER unless said)."""
     from triton.compiler import ASTSource
+    stages = {"BAND": stages.get("FILTER", False), **stages}
 
     from engine.cuda.sampling import _sample_kernel, config_for
     names = list(inspect.signature(_sample_kernel.fn).parameters)

@@ -236,6 +236,32 @@ def check_three_in_a_lane(vocab: int = 1000) -> None:
         sampler._record(slots, want.tokens)
 
 
+def check_without_the_band(vocab: int = 1000) -> None:
+    """``BAND_VARIANTS``: a step without top_k rows runs a filter variant without the lane band. Every mix (top_k
+    rows too, which then search) in that variant and in the one with the band: the twin's tokens, every kind of
+    row."""
+    import dataclasses
+
+    import engine.cuda.sampling as kernel
+    saved, kernel.BAND_VARIANTS = kernel.BAND_VARIANTS, True
+    try:
+        sampler = admit(vocab, MIXES)
+        gen = torch.Generator().manual_seed(6)
+        with_band = sampler._features()
+        assert with_band.top_k and kernel._has_band(with_band)
+        without = dataclasses.replace(with_band, top_k=False)
+        assert without.filtered and not kernel._has_band(without)
+        for kind, rows in ROWS.items():
+            logits = rows(len(MIXES), vocab, gen)
+            slots = torch.randperm(len(MIXES), generator=gen)
+            want = sample_rows_ref(logits, slots, sampler.tables, with_band).tokens.tolist()
+            for f in (with_band, without):
+                got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel).tokens.tolist()
+                assert got == want, (kind, kernel._has_band(f), got, want)
+    finally:
+        kernel.BAND_VARIANTS = saved
+
+
 def check_twin_on_every_kind() -> None:
     for kind in ROWS:
         check_same_as_twin(1000, kind, steps=1 if kind == "all equal" else 2)
@@ -247,6 +273,7 @@ if __name__ == "__main__":
     check_twin_on_every_kind()
     check_same_as_twin(4096, "peaked", steps=1)
     check_three_in_a_lane()
+    check_without_the_band()
     check_recording()
     check_batch_invariance()
     check_exact_rows_across_shapes()

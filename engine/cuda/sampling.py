@@ -98,6 +98,20 @@ RUNNERS = tl.constexpr(4)
 # 0.19-0.28 -> 0.17-0.21 ms in both rounds; batch 1,024 0.52-0.64 against 0.59-0.63, no difference that repeated.
 # (A min_p race over the floor under the running maximum, the same session, measured no better: not kept.)
 LOGPROBS_LANE_BAND = tl.constexpr(True)
+# Candidates for session 19's A/B (off until the H200 says otherwise; exact either way, tests/sampling_check.py):
+# LAZY_MOMENTS: the filter rows' stats pass keeps no sum, sum of squares and minimum (24 registers a thread and ~5
+# instructions a value in a variant at ~250 registers); a row whose threshold search needs them (the Gaussian
+# guess of its first probes: top_p rows whose runners all fall outside, top_k rows past the lane band) gets them
+# from a pass of its own, the same sums in the same order.
+LAZY_MOMENTS = tl.constexpr(False)
+# ONE_LOAD: logprobs rows of variants without a processed row read each value once (the scaled value and the raw
+# logit are the same load there), where the stats pass loaded it twice.
+ONE_LOAD = tl.constexpr(False)
+# BAND_VARIANTS: the lane band (the stats pass's second and third values a lane, for top_k rows) compiled only
+# into the filter variants of steps with top_k rows: a top_p / min_p step's variant keeps no band state (with
+# LAZY_MOMENTS: 243 -> 168 registers a thread, three 4-warp programs an SM instead of two; ptxas for sm_90a).
+# Four more variants to compile at warm-up. A host-side switch: off, the band is in every filter variant.
+BAND_VARIANTS = False
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
 # third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
 # written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
@@ -397,12 +411,14 @@ def _raw_lse_chunk(x, m, z):
 
 @triton.jit
 def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, band_v, band_i,
-                LOGPROBS: tl.constexpr, FILTER: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+                LOGPROBS: tl.constexpr, FILTER: tl.constexpr, BAND: tl.constexpr, RAW_IS_SRC: tl.constexpr,
+                CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Max and greedy argmax, finite count / mean / std / min, the race over all (``do_race``; with
     FILTER its RUNNERS best keys too), the raw log-sum-exp and top-``lp_k`` raw logits (``lp_k >= 0``),
-    and with FILTER and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
+    and with FILTER, BAND and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
     not written). Accumulated lane by lane and reduced once: a reduction inside the loop is a block-wide
-    barrier per chunk (only the race's skip test has one)."""
+    barrier per chunk (only the race's skip test has one). ``RAW_IS_SRC``: ``src`` is ``x_row`` (no processed
+    row in this variant). With LAZY_MOMENTS, mean / std / min are 0 (``_moments`` has them)."""
     lanes = tl.arange(0, BLOCK)
     m_l = tl.full([BLOCK], float("-inf"), tl.float32)
     arg_l = tl.zeros([BLOCK], tl.int32)
@@ -426,17 +442,20 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
     rsec_i = tl.zeros([BLOCK], tl.int32)
     rthird_l = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
-        s = _load_scaled(src, start + lanes, V, scale)
-        if FILTER:
+        if ONE_LOAD and RAW_IS_SRC and LOGPROBS:
+            raw = tl.load(src + start + lanes, mask=start + lanes < V, other=float("-inf"))
+            s = raw * scale  # what _load_scaled computes
+        else:
+            s = _load_scaled(src, start + lanes, V, scale)
+        if FILTER and BAND:
             if want_band:
                 sec_l, sec_i, third_l = _lane_second(s, start + lanes, m_l, arg_l, sec_l, sec_i, third_l)
         arg_l = tl.where(s > m_l, start + lanes, arg_l)  # a lane keeps its first maximum
         m_l = tl.maximum(m_l, s)
         fin = s > float("-inf")
         n_l += fin.to(tl.int32)
-        s1_l += tl.where(fin, s, 0.0)
-        s2_l += tl.where(fin, s * s, 0.0)
-        min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
+        if not LAZY_MOMENTS:
+            s1_l, s2_l, min_l = _moments_chunk(s, fin, s1_l, s2_l, min_l)
         if do_race:
             if FILTER:
                 c_key, c_id = _race_chunk_runners(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
@@ -445,7 +464,10 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
                 w_key, w_id = _race_chunk(s, start, fin, row_key, _chunk_vocab_keys(vkeys, start + lanes, V), w_key,
                                           w_id)
         if LOGPROBS and lp_k >= 0:
-            x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
+            if ONE_LOAD and RAW_IS_SRC:
+                x = raw
+            else:
+                x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
             if lp_k > 0:
                 if LOGPROBS_LANE_BAND:  # lane by lane, no reduction: the top-k is read off the lanes at the end
                     rsec_l, rsec_i, rthird_l = _lane_second(x, start + lanes, mr_l, rarg_l, rsec_l, rsec_i, rthird_l)
@@ -455,8 +477,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
             mr_l, zr_l = _raw_lse_chunk(x, mr_l, zr_l)
     m = tl.max(m_l, 0)
     n_fin = tl.sum(n_l, 0)
-    mean = tl.sum(s1_l, 0) / tl.maximum(n_fin, 1)
-    std = tl.sqrt(tl.maximum(tl.sum(s2_l, 0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
+    mean, std, s_min = _moments_of(n_fin, s1_l, s2_l, min_l)
     if LOGPROBS and LOGPROBS_LANE_BAND:
         if lp_k > 0:
             top_v, top_i = _raw_top_k(x_row, V, mr_l, rarg_l, rsec_l, rsec_i, rthird_l, lp_k, BLOCK)
@@ -467,11 +488,40 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
         w_id = tl.maximum(_best_ranked(c_key, c_id, c_key > float("-inf")), 0)
     b3 = float("inf")
     nb = -1
-    if FILTER:
+    if FILTER and BAND:
         if want_band:
             b3, nb = _lane_band(m_l, arg_l, sec_l, sec_i, third_l, band_v, band_i, CAP)
-    return (m, arg, n_fin, mean, std, tl.min(min_l, 0), w_id, m_raw + tl.log(z_raw), top_v, top_i, c_key, c_id,
-            b3, nb)
+    return (m, arg, n_fin, mean, std, s_min, w_id, m_raw + tl.log(z_raw), top_v, top_i, c_key, c_id, b3, nb)
+
+
+@triton.jit
+def _moments_chunk(s, fin, s1_l, s2_l, min_l):
+    """A chunk's finite values into the lanes' sums, sums of squares and minima."""
+    s1_l += tl.where(fin, s, 0.0)
+    s2_l += tl.where(fin, s * s, 0.0)
+    min_l = tl.minimum(min_l, tl.where(fin, s, float("inf")))
+    return s1_l, s2_l, min_l
+
+
+@triton.jit
+def _moments_of(n_fin, s1_l, s2_l, min_l):
+    """Mean, standard deviation and minimum of the finite values from the lanes' accumulators."""
+    mean = tl.sum(s1_l, 0) / tl.maximum(n_fin, 1)
+    std = tl.sqrt(tl.maximum(tl.sum(s2_l, 0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
+    return mean, std, tl.min(min_l, 0)
+
+
+@triton.jit
+def _moments(src, scale, V, n_fin, BLOCK: tl.constexpr):
+    """LAZY_MOMENTS: the stats pass's mean, std and minimum from a pass of their own (same lanes, same order)."""
+    lanes = tl.arange(0, BLOCK)
+    s1_l = tl.zeros([BLOCK], tl.float32)
+    s2_l = tl.zeros([BLOCK], tl.float32)
+    min_l = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        s = _load_scaled(src, start + lanes, V, scale)
+        s1_l, s2_l, min_l = _moments_chunk(s, s > float("-inf"), s1_l, s2_l, min_l)
+    return _moments_of(n_fin, s1_l, s2_l, min_l)
 
 
 @triton.jit
@@ -777,7 +827,7 @@ def _pick(x, i):
 
 
 @triton.jit
-def _top_p_token(src, scale, V, m, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
+def _top_p_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
                  CAP: tl.constexpr, BLOCK: tl.constexpr):
     """top_p without top_k (min_p in lo): one pass over RUNNERS probes measures lo (Z: what min_p keeps) and the
     values of the race's best keys but the last; the best kept of those is the answer: the winner itself in
@@ -792,6 +842,8 @@ def _top_p_token(src, scale, V, m, mean, std, s_min, row_key, top_p, lo, c_key, 
     pz = top_p * z
     token = _best_ranked(c_key, c_id, (j != last) & (c_key > float("-inf")) & (s_c > lo) & _keeps(cnt, mass, k, pz))
     if token < 0:
+        if LAZY_MOMENTS:
+            mean, std, s_min = _moments(src, scale, V, n_fin, BLOCK)
         guess = _gaussian_guess(mean, std, cl, k, top_p)
         lo, hi, cl, ml, ch, mh = _search(src, scale, V, m, s_min, lo, m, cl, z, cl * 0, z * 0.0, k, pz, guess,
                                          CAP, BLOCK)
@@ -856,11 +908,13 @@ def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k,
     if k > 0:
         token = _lane_band_token(band_v, band_i, nb, b3, m, n_fin, k, top_p, lo, row_key, CAP)
         if token < 0:
+            if LAZY_MOMENTS:
+                mean, std, s_min = _moments(src, scale, V, n_fin, BLOCK)
             token = _top_k_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, k, top_p, lo, band_v, band_i,
                                  CAP, BLOCK)
     else:
         if top_p < 1.0:
-            token = _top_p_token(src, scale, V, m, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
+            token = _top_p_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
                                  CAP, BLOCK)
         elif tl.load(src + w_id) * scale <= lo:  # min_p alone: the winner unless under the floor, then the best
             # runner-up over it
@@ -935,7 +989,8 @@ def _write_top(top_v, top_i, lp_k, lse, out_id, out_lp, top_w):
 def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, masked, needs, sampled, lp_k, row_key,
                vkeys, fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids, ban_w, masks, mask_w, scratch,
                band_v, band_i, out_lp, out_top_id, out_top_lp, top_w, FILTER: tl.constexpr,
-               LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+               LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, BAND: tl.constexpr, CAP: tl.constexpr,
+               BLOCK: tl.constexpr):
     """A row's token by the stats pass (after its processed values are written to the scratch row, where it
     has any), then the filters where it has any; its logprobs written when asked."""
     src = x_row
@@ -951,7 +1006,7 @@ def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, maske
     log_min_p = tl.load(fp + F_LOG_MIN_P)
     m, token, n_fin, mean, std, s_min, w_id, lse, top_v, top_i, c_key, c_id, b3, nb = _stats_pass(
         src, scale, x_row, V, row_key, vkeys, sampled & (k == 0), lp_k, sampled & (k > 0), band_v, band_i,
-        LOGPROBS, FILTER, CAP, BLOCK)
+        LOGPROBS, FILTER, BAND, not PREPARE, CAP, BLOCK)
     if sampled:
         if FILTER and (k > 0) | (top_p < 1.0) | (log_min_p > float("-inf")):
             token = _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k, top_p,
@@ -970,12 +1025,13 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated, vke
                    bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
                    masks, mask_w, has_masks,
                    scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
-                   top_w, FILTER: tl.constexpr, LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, CAP: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   top_w, FILTER: tl.constexpr, LOGPROBS: tl.constexpr, PREPARE: tl.constexpr, BAND: tl.constexpr,
+                   CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Persistent: program p samples rows p, p + P, ... with its own scratch row and band buffer; with
     ``record`` it also advances the slot's counter and its token's count (a step's slots are distinct).
-    FILTER, LOGPROBS and PREPARE compile in the stages the step's rows may use (top_k / top_p / min_p, logprobs,
-    the processed row): a stage left out is one no row takes, and a row's arithmetic is the same in every
+    FILTER, LOGPROBS, PREPARE and BAND compile in the stages the step's rows may use (top_k / top_p / min_p,
+    logprobs, the processed row, top_k's lane band): a stage left out is one no row takes (a top_k row in a
+    variant without the band searches: the same token), and a row's arithmetic is the same in every
     variant that has its stages."""
     pid = tl.program_id(0)
     scratch = scratch + pid.to(tl.int64) * V
@@ -1005,7 +1061,7 @@ def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated, vke
             token = _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, masked, needs, sampled,
                                lp_k, row_key, vkeys, fp, ip, counts, in_prompt, bias_ids, bias_vals, bias_w, ban_ids,
                                ban_w, masks, mask_w, scratch, band_v, band_i, out_lp + r, out_top_id + r * top_w,
-                               out_top_lp + r * top_w, top_w, FILTER, LOGPROBS, PREPARE, CAP, BLOCK)
+                               out_top_lp + r * top_w, top_w, FILTER, LOGPROBS, PREPARE, BAND, CAP, BLOCK)
         tl.store(out_token + r, token.to(tl.int64))
         if record != 0:
             tl.store(generated + slot, counter + 1)
@@ -1172,7 +1228,7 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             t.bias_ids, t.bias_vals, t.bias_ids.shape[1], t.ban_ids, t.ban_ids.shape[1], counts, in_prompt,
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
-            max(top_w, 1), FILTER=f.filtered, LOGPROBS=f.logprobs, PREPARE=prepare,
+            max(top_w, 1), FILTER=f.filtered, LOGPROBS=f.logprobs, PREPARE=prepare, BAND=_has_band(f),
             CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)
@@ -1183,6 +1239,11 @@ def sample_rows_ref(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f:
                     ws: SamplingWorkspace | None = None) -> DeviceSample:
     """The twin: the torch path (engine.sampler), which is also the CPU sampler."""
     return sm.torch_sample(logits.float(), slots, t, f)
+
+
+def _has_band(f: Features) -> bool:
+    """Whether the step's filter variant has the lane band (``BAND_VARIANTS``: only where a row has top_k)."""
+    return f.filtered and (f.top_k or not BAND_VARIANTS)
 
 
 def _shape_of(f: Features, vocab_size: int, rows: int, prepare: bool) -> KernelConfig:
@@ -1227,6 +1288,9 @@ def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
 
 
 def variant_features() -> list[Features]:
-    """One Features per compiled variant: with or without the filters, logprobs and the processed row."""
-    return [Features(sampled=True, top_p=filtered, logprobs=logprobs, max_logprobs=int(logprobs), bias=prepare)
-            for filtered in (False, True) for logprobs in (False, True) for prepare in (False, True)]
+    """One Features per compiled variant: with or without the filters, logprobs and the processed row (and with
+    ``BAND_VARIANTS``, filters with or without top_k's lane band)."""
+    return [Features(sampled=True, top_p=filtered, top_k=band, logprobs=logprobs, max_logprobs=int(logprobs),
+                     bias=prepare)
+            for filtered in (False, True) for band in ((False, True) if filtered and BAND_VARIANTS else (False,))
+            for logprobs in (False, True) for prepare in (False, True)]
