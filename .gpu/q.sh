@@ -1,12 +1,16 @@
-# Call Q: session 18's candidate sampler settings A/B'd on the device's time (each step replayed from a CUDA graph,
-# the column that counts; launched beside it), c.sh's method: compiled in parallel, timed interleaved twice.
-#   LAZY_MOMENTS=on: the filter rows' stats pass without sum / sum of squares / minimum (a pass of their own when
-#     a search needs them)
-#   BAND_VARIANTS=on LAZY_MOMENTS=on: and no lane band in steps without top_k rows (243 -> 168 registers, ptxas)
+# Call Q: session 18's candidate sampler settings (all off by default, exact either way) A/B'd on the device's time
+# (each step replayed from a CUDA graph: the column that counts; launched beside it), c.sh's method: compiled in
+# parallel, timed interleaved twice; then the GPU sampler tests with all of them on (batch invariance across the
+# wide and small filter shapes, bit for bit, is the one the interpreter cannot check).
+#   BAND_VARIANTS=on LAZY_MOMENTS=on: the filter rows' stats pass without sum / sum of squares / minimum (a pass of
+#     their own when a search needs them), and no lane band in steps without top_k rows (243 -> 168 registers)
 #   ONE_LOAD=on: logprobs rows read each value once where the variant has no processed row
+#   FIXED_SUMS=on FILTER_WIDE=on: sums across lanes as int64 fixed point, and filter / logprobs steps of <= 16 rows
+#     in one 16-warp program an SM (batch 1: top_p 0.12, logprobs 0.106 ms on one 4-warp program)
 source .gpu/lib.sh
-SETTINGS=("" "LAZY_MOMENTS=on" "BAND_VARIANTS=on LAZY_MOMENTS=on" "ONE_LOAD=on")
-tag_of() { local t=${1:-defaults}; t=${t//=/-}; t=${t// /_}; echo "${t//,/-}"; }
+ALL="FIXED_SUMS=on FILTER_WIDE=on BAND_VARIANTS=on LAZY_MOMENTS=on ONE_LOAD=on"
+SETTINGS=("" "BAND_VARIANTS=on LAZY_MOMENTS=on" "ONE_LOAD=on" "FIXED_SUMS=on FILTER_WIDE=on" "$ALL")
+tag_of() { local t=${1:-defaults}; t=${t//=on/}; t=${t// /+}; echo "${t//,/-}"; }
 cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
 for s in "${SETTINGS[@]}"; do
   TRITON_CACHE_DIR=$(cache_of "$s") timeout 330 python3 .gpu/switch_ab.py --compile-only $s > "$R/compile-$(tag_of "$s").log" 2>&1 &
@@ -14,9 +18,16 @@ done
 wait; echo "== compiled t=$(( $(date +%s) - T0 ))s"; tail -qn1 "$R"/compile-*.log
 for round in 1 2; do
   for s in "${SETTINGS[@]}"; do
-    before 540 || break 2
+    before 470 || break 2
     TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$round" 60 python3 .gpu/switch_ab.py --graphed $s
   done
 done
 for f in "$R"/ab-*.log; do echo "$f"; grep -E "top_p|top_k|min_p|logprobs" "$f"; done
+if before 480; then
+  TRITON_CACHE_DIR=$(cache_of "$ALL") step pytest-all-on $(( 590 - ($(date +%s) - T0) )) python3 -c "
+import sys; sys.path.insert(0, '.gpu'); from switch_ab import apply; apply('$ALL'.split()); import pytest
+sys.exit(pytest.main(['-m', 'gpu', '-v', '-p', 'no:cacheprovider', 'tests/test_cuda.py', '-k',
+                      'picks_the_torch_path or distribution_matches or deterministic_and_batch_invariant']))"
+  grep -E "PASSED|FAILED|ERROR|passed|failed|Error" "$R/pytest-all-on.log" | tail -14
+fi
 pack

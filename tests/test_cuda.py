@@ -479,14 +479,17 @@ def test_cuda_sampler_distribution_matches_a_sorted_oracle(sigma, params):
     assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)
 
 
-def test_cuda_sampler_is_deterministic_and_batch_invariant():
-    """A sequence's token: the same twice, alone, and at three rows of batches of 7 and 1,024."""
+@pytest.mark.parametrize("target", [dict(temperature=0.9, top_p=0.8, top_k=500, presence_penalty=0.3, logprobs=2),
+                                    dict(temperature=1.0, top_p=0.9, logprobs=5), dict(temperature=1.0, min_p=0.05)])
+def test_cuda_sampler_is_deterministic_and_batch_invariant(target):
+    """A sequence's token and logprob: the same twice, alone, and at rows of batches of 7, 17 and 1,024 (the
+    launch shapes a filter step may take by its size), bit for bit."""
     from engine.params import SamplingParams
-    target = SamplingParams(temperature=0.9, top_p=0.8, top_k=500, presence_penalty=0.3, logprobs=2)
+    target = SamplingParams(**target)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     row = torch.randn(65536, device=DEVICE, generator=gen) * 2
     seen = []
-    for batch, position in ((1, 0), (7, 3), (1024, 0), (1024, 517), (1024, 1023)):
+    for batch, position in ((1, 0), (7, 3), (17, 16), (1024, 0), (1024, 517), (1024, 1023)):
         params = (sampler_mixes() * 100)[:batch]
         params[position] = target
         sampler = admitted_sampler(params)
@@ -500,7 +503,8 @@ def test_cuda_sampler_is_deterministic_and_batch_invariant():
             t.copy_(saved)  # the same positions again: the same noise
         again = sampler.sample_device(logits, slots)
         assert torch.equal(first.tokens, again.tokens)
-        seen.append((int(first.tokens[position]), float(first.logprobs[position])))
+        lp = float(first.logprobs[position]) if target.logprobs is not None else None  # else undefined
+        seen.append((int(first.tokens[position]), lp))
     assert len(set(seen)) == 1, seen
 
 

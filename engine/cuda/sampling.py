@@ -112,6 +112,20 @@ ONE_LOAD = tl.constexpr(False)
 # LAZY_MOMENTS: 243 -> 168 registers a thread, three 4-warp programs an SM instead of two; ptxas for sm_90a).
 # Four more variants to compile at warm-up. A host-side switch: off, the band is in every filter variant.
 BAND_VARIANTS = False
+# FIXED_SUMS: every sum across a block's lanes that decides a token or a logprob (the probes' masses, Z, the band's
+# prefix masses, the log-sum-exp) and the moments that place the first probes, summed as int64 fixed point (a
+# mass, at most 1 a value relative to the row's maximum, in units of 2^-40): a lane's own running sum is the same
+# whatever the program's shape (it holds the same positions of the same chunks, in order), and integer sums are
+# the same in any order, so a row's token no longer depends on the warps a program has. What lets filtered rows
+# of small steps run in a wide program (FILTER_WIDE) and stay batch-invariant.
+FIXED_SUMS = tl.constexpr(False)
+FIXED_UNIT = tl.constexpr(2.0 ** 40)
+# FILTER_WIDE (with FIXED_SUMS): steps of at most FEW_FILTERED rows run the filter and logprobs variants in one
+# 16-warp program an SM (same block, same band: the same arithmetic a row), where a 4-warp program streams a
+# row's chunks one after another on one SM (batch 1 on the H200, the device's time: top_p 0.9 0.12 ms, logprobs 5
+# 0.106; session 18). A host-side switch.
+FILTER_WIDE = False
+FEW_FILTERED = 16
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
 # third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
 # written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
@@ -159,7 +173,8 @@ def config_for(vocab_size: int, rows: int = 0, exact: bool = False, plain: bool 
     each row's token is the race's winner or the argmax, the same however the row is chunked and summed: only
     those may switch shape with the batch's size (few rows: one wide program an SM each, lower latency a row;
     very few: each row split over several programs, ``plain`` — no processed row — or with ``SPLIT_PREPARED``).
-    Every other variant has one shape per vocabulary size, so its rows never depend on their batch."""
+    Every other variant has one block and band per vocabulary size, so its rows never depend on their batch (with
+    FIXED_SUMS and FILTER_WIDE its small steps take more warps a program: the same sums)."""
     small_vocab = vocab_size <= 8192
     if exact and (plain or SPLIT_PREPARED) and 0 < rows <= (2 if small_vocab else SPLIT_ROWS):
         # one row on one SM waits on its 32 chunks one after another: over many SMs each program has a chunk or
@@ -170,6 +185,11 @@ def config_for(vocab_size: int, rows: int = 0, exact: bool = False, plain: bool 
         # the wide shape measured before session 11 at batch 1: T=1 0.10-0.12 ms against 0.16 for the small one
         return KernelConfig(block=512, cap=64, num_warps=8, programs_per_sm=1) if small_vocab else \
             KernelConfig(block=2048, cap=1024, num_warps=16, programs_per_sm=1)
+    if not exact and FILTER_WIDE and FIXED_SUMS.value and 0 < rows <= FEW_FILTERED:
+        # the filter and logprobs variants' small steps: the small shape's block and band in one wide program an
+        # SM (the same arithmetic a row: FIXED_SUMS)
+        return KernelConfig(block=256, cap=64, num_warps=8, programs_per_sm=1) if small_vocab else \
+            KernelConfig(block=1024, cap=1024, num_warps=16, programs_per_sm=1)
     if small_vocab:  # tests and small models: several chunks and a small band, to exercise both
         return KernelConfig(block=256, cap=64, num_warps=4)
     # small programs, 8 an SM: a row's chunk loop waits on its loads and barriers, and programs that wait
@@ -482,7 +502,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
         if lp_k > 0:
             top_v, top_i = _raw_top_k(x_row, V, mr_l, rarg_l, rsec_l, rsec_i, rthird_l, lp_k, BLOCK)
     m_raw = tl.max(mr_l, 0)
-    z_raw = tl.sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
+    z_raw = _mass_sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
     arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
     if FILTER:  # the winner is the best of the runners (0 when nothing was finite, as above)
         w_id = tl.maximum(_best_ranked(c_key, c_id, c_key > float("-inf")), 0)
@@ -492,6 +512,36 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
         if want_band:
             b3, nb = _lane_band(m_l, arg_l, sec_l, sec_i, third_l, band_v, band_i, CAP)
     return (m, arg, n_fin, mean, std, s_min, w_id, m_raw + tl.log(z_raw), top_v, top_i, c_key, c_id, b3, nb)
+
+
+@triton.jit
+def _mass_sum(x, axis: tl.constexpr):
+    """The sum of masses ``x`` (each >= 0 and at most a few thousand) along ``axis``: with FIXED_SUMS, each rounded
+    down to 2^-40 and summed as int64, the same in any order and any layout."""
+    if FIXED_SUMS:
+        return tl.sum((x * FIXED_UNIT).to(tl.int64), axis).to(tl.float32) * (1.0 / FIXED_UNIT)
+    else:
+        return tl.sum(x, axis)
+
+
+@triton.jit
+def _mass_prefix(e):
+    """Each mass's exclusive prefix sum (what comes before it), as ``_mass_sum`` sums."""
+    if FIXED_SUMS:
+        fixed = (e * FIXED_UNIT).to(tl.int64)
+        return (tl.cumsum(fixed, 0) - fixed).to(tl.float32) * (1.0 / FIXED_UNIT)
+    else:
+        return tl.cumsum(e, 0) - e
+
+
+@triton.jit
+def _moment_sum(x, unit):
+    """The sum of lane moments ``x`` (only the first probes' guess reads it): with FIXED_SUMS in units of 1 / unit,
+    clamped to +-2^50, so that the guess too is the same in any layout."""
+    if FIXED_SUMS:
+        return tl.sum(tl.minimum(tl.maximum(x * unit, -1.0e15), 1.0e15).to(tl.int64), 0).to(tl.float32) / unit
+    else:
+        return tl.sum(x, 0)
 
 
 @triton.jit
@@ -506,8 +556,8 @@ def _moments_chunk(s, fin, s1_l, s2_l, min_l):
 @triton.jit
 def _moments_of(n_fin, s1_l, s2_l, min_l):
     """Mean, standard deviation and minimum of the finite values from the lanes' accumulators."""
-    mean = tl.sum(s1_l, 0) / tl.maximum(n_fin, 1)
-    std = tl.sqrt(tl.maximum(tl.sum(s2_l, 0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
+    mean = _moment_sum(s1_l, 4096.0) / tl.maximum(n_fin, 1)
+    std = tl.sqrt(tl.maximum(_moment_sum(s2_l, 16.0) / tl.maximum(n_fin, 1) - mean * mean, 0.0))
     return mean, std, tl.min(min_l, 0)
 
 
@@ -666,7 +716,7 @@ def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr):
         above = s[None, :] > probes[:, None]
         cnt += above.to(tl.int32)
         mass += tl.where(above, e[None, :], 0.0)
-    return tl.sum(cnt, 1), tl.sum(mass, 1)
+    return tl.sum(cnt, 1), _mass_sum(mass, 1)
 
 
 @triton.jit
@@ -747,8 +797,8 @@ def _band_tau(band_v, nb, m, ch, mh, k, top_p, z, CAP: tl.constexpr):
     none. ``z`` < 0: Z is top_k's own mass, that of exactly the k largest (all of them are in the band)."""
     j = tl.arange(0, CAP)
     v, e = _band_sorted(band_v, nb, m, CAP)
-    before = mh + (tl.cumsum(e, 0) - e)
-    z = tl.where(z < 0.0, mh + tl.sum(tl.where(ch + j < k, e, 0.0), 0), z)
+    before = mh + _mass_prefix(e)
+    z = tl.where(z < 0.0, mh + _mass_sum(tl.where(ch + j < k, e, 0.0), 0), z)
     pz = tl.where(top_p >= 1.0, float("inf"), top_p * z)
     n_keep = tl.sum(((j < nb) & (ch + j < k) & (before < pz)).to(tl.int32), 0)
     tau = tl.max(tl.where(j == n_keep - 1, v, float("-inf")), 0)
@@ -762,9 +812,9 @@ def _band_kth(band_v, nb, m, ch, mh, k, CAP: tl.constexpr):
     j = tl.arange(0, CAP)
     v, e = _band_sorted(band_v, nb, m, CAP)
     vk = tl.max(tl.where(ch + j == k - 1, v, float("-inf")), 0)
-    z = mh + tl.sum(tl.where(ch + j < k, e, 0.0), 0)
+    z = mh + _mass_sum(tl.where(ch + j < k, e, 0.0), 0)
     ge = (j < nb) & (v >= vk)
-    return vk, z, ch + tl.sum(ge.to(tl.int32), 0), mh + tl.sum(tl.where(ge, e, 0.0), 0)
+    return vk, z, ch + tl.sum(ge.to(tl.int32), 0), mh + _mass_sum(tl.where(ge, e, 0.0), 0)
 
 
 @triton.jit
