@@ -5,18 +5,6 @@
 #   PROCESSED_ONE_PASS=off: penalties / bias rows with no filters through the scratch row (on: one pass)
 #   VOCAB_TABLE=off: the race's per-id hash computed for every value (on: read from a 256 KB table)
 source .gpu/lib.sh
-SETTINGS=("" "SPLIT_PREPARED=off" "PROCESSED_ONE_PASS=off" "VOCAB_TABLE=off")
-tag_of() { local t=${1:-defaults}; t=${t//=/-}; echo "${t//,/-}"; }
-cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
-for s in "${SETTINGS[@]}"; do
-  TRITON_CACHE_DIR=$(cache_of "$s") timeout 300 python3 .gpu/switch_ab.py --compile-only $s > "$R/compile-$(tag_of "$s").log" 2>&1 &
-done
-wait; echo "== compiled t=$(( $(date +%s) - T0 ))s"; tail -qn1 "$R"/compile-*.log
-for round in 1 2; do
-  for s in "${SETTINGS[@]}"; do
-    before 520 || break 2
-    TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$round" 100 python3 .gpu/switch_ab.py $s
-  done
-done
+ab 520 "" "" "SPLIT_PREPARED=off" "PROCESSED_ONE_PASS=off" "VOCAB_TABLE=off"
 for f in "$R"/ab-*.log; do echo "$f"; grep -E "greedy|T=1|top_p|top_k|min_p|penal|logprobs" "$f" | grep "σ=1"; done
 pack

@@ -67,3 +67,23 @@ bring_cache() {
   echo "== Triton cache: $(du -sh .gpu/cache/triton | cut -f1) on disk, ${mib} MiB packed"
   [ "$mib" -lt 36 ] && split -b 15m /tmp/triton.tgz "$R/triton.tgz." || echo "== too large to bring back"
 }
+# ab GUARD FLAGS SETTING...: engine.cuda.sampling's settings A/B'd (each compiled in its own Triton cache, in
+# parallel; then the sampler table timed one at a time, interleaved twice, while `before GUARD`: processes differ by
+# 10-50% on rows no setting touches, so only a difference repeated in both rounds counts). FLAGS go to switch_ab.py
+# ("" for none, --graphed); a SETTING is "NAME=VALUE ...", "" the defaults
+tag_of() { local t=${1:-defaults}; t=${t//=on/}; t=${t//=/-}; t=${t// /+}; echo "${t//,/-}"; }
+cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
+ab() {
+  local guard=$1 flags=$2 s round; shift 2
+  for s in "$@"; do
+    TRITON_CACHE_DIR=$(cache_of "$s") timeout 330 python3 .gpu/switch_ab.py --compile-only $s \
+      > "$R/compile-$(tag_of "$s").log" 2>&1 &
+  done
+  wait; echo "== compiled t=$(( $(date +%s) - T0 ))s"; tail -qn1 "$R"/compile-*.log
+  for round in 1 2; do
+    for s in "$@"; do
+      before "$guard" || return 0
+      TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$round" 100 python3 .gpu/switch_ab.py $flags $s
+    done
+  done
+}

@@ -5,19 +5,7 @@
 #   RUNNING_FLOOR=off: min_p rows race over every value (on: over what min_p's floor under the running max keeps)
 #   LOGPROBS_LANE_BAND=off: logprobs' raw top-k by a block-wide insert every chunk (on: each lane's largest two)
 source .gpu/lib.sh
-SETTINGS=("" "RUNNING_FLOOR=off" "LOGPROBS_LANE_BAND=off")
-tag_of() { local t=${1:-defaults}; t=${t//=/-}; echo "${t//,/-}"; }
-cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
-for s in "${SETTINGS[@]}"; do
-  TRITON_CACHE_DIR=$(cache_of "$s") timeout 300 python3 .gpu/switch_ab.py --compile-only $s > "$R/compile-$(tag_of "$s").log" 2>&1 &
-done
-wait; echo "== compiled t=$(( $(date +%s) - T0 ))s"; tail -qn1 "$R"/compile-*.log
-for round in 1 2; do
-  for s in "${SETTINGS[@]}"; do
-    before 420 || break 2
-    TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$round" 100 python3 .gpu/switch_ab.py $s
-  done
-done
+ab 420 "" "" "RUNNING_FLOOR=off" "LOGPROBS_LANE_BAND=off"
 for f in "$R"/ab-*.log; do echo "$f"; grep -E "T=1 |top_p|min_p|logprobs" "$f"; done
 if before 430; then
   step pytest-m $(( 590 - ($(date +%s) - T0) )) python3 -u -m pytest -m gpu -v -p no:cacheprovider tests/test_cuda.py \

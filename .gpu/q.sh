@@ -9,19 +9,7 @@
 #     in one 16-warp program an SM (batch 1: top_p 0.12, logprobs 0.106 ms on one 4-warp program)
 source .gpu/lib.sh
 ALL="FIXED_SUMS=on FILTER_WIDE=on BAND_VARIANTS=on LAZY_MOMENTS=on ONE_LOAD=on"
-SETTINGS=("" "BAND_VARIANTS=on LAZY_MOMENTS=on" "ONE_LOAD=on" "FIXED_SUMS=on FILTER_WIDE=on" "$ALL")
-tag_of() { local t=${1:-defaults}; t=${t//=on/}; t=${t// /+}; echo "${t//,/-}"; }
-cache_of() { [ -z "$1" ] && echo "$PWD/.gpu/cache/triton" || echo "$PWD/.gpu/cache/triton-$(tag_of "$1")"; }
-for s in "${SETTINGS[@]}"; do
-  TRITON_CACHE_DIR=$(cache_of "$s") timeout 330 python3 .gpu/switch_ab.py --compile-only $s > "$R/compile-$(tag_of "$s").log" 2>&1 &
-done
-wait; echo "== compiled t=$(( $(date +%s) - T0 ))s"; tail -qn1 "$R"/compile-*.log
-for round in 1 2; do
-  for s in "${SETTINGS[@]}"; do
-    before 470 || break 2
-    TRITON_CACHE_DIR=$(cache_of "$s") step "ab-$(tag_of "$s")-$round" 60 python3 .gpu/switch_ab.py --graphed $s
-  done
-done
+ab 470 --graphed "" "BAND_VARIANTS=on LAZY_MOMENTS=on" "ONE_LOAD=on" "FIXED_SUMS=on FILTER_WIDE=on" "$ALL"
 for f in "$R"/ab-*.log; do echo "$f"; grep -E "top_p|top_k|min_p|logprobs" "$f"; done
 if before 480; then
   TRITON_CACHE_DIR=$(cache_of "$ALL") step pytest-all-on $(( 590 - ($(date +%s) - T0) )) python3 -c "
