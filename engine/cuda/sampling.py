@@ -438,7 +438,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
     and with FILTER, BAND and ``want_band`` the band of every value above b3 (``_lane_band``; its size, -1 when
     not written). Accumulated lane by lane and reduced once: a reduction inside the loop is a block-wide
     barrier per chunk (only the race's skip test has one). ``RAW_IS_SRC``: ``src`` is ``x_row`` (no processed
-    row in this variant). With LAZY_MOMENTS, mean / std / min are 0 (``_moments`` has them)."""
+    row in this variant). With LAZY_MOMENTS, mean / std / min are placeholders (``_moments`` has them)."""
     lanes = tl.arange(0, BLOCK)
     m_l = tl.full([BLOCK], float("-inf"), tl.float32)
     arg_l = tl.zeros([BLOCK], tl.int32)
