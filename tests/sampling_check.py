@@ -23,7 +23,8 @@ MIXES = [P(temperature=0.0), P(temperature=1.0), P(temperature=1.0, top_p=0.9), 
          # sharp edges: an off-by-one in top_k or at the min_p floor changes these rows' tokens often
          P(temperature=1.0, top_k=1), P(temperature=1.5, top_k=2), P(temperature=1.0, top_k=3),
          P(temperature=1.0, min_p=1.0),
-         P(temperature=1.0, top_k=5000, min_p=0.1)]  # top_k above what min_p leaves: off
+         P(temperature=1.0, top_k=5000, min_p=0.1),  # top_k above what min_p leaves: off
+         P(temperature=1.0, top_p=0.2)]  # top_p alone, whose runners often all fall outside: the search from -inf
 
 ROWS = {  # logits of every kind the threshold search must survive
     "flat": lambda n, v, g: torch.randn(n, v, generator=g),

@@ -126,6 +126,9 @@ FIXED_UNIT = tl.constexpr(2.0 ** 40)
 # 0.106; session 18). A host-side switch.
 FILTER_WIDE = False
 FEW_FILTERED = 16
+# RUNNER_MASSES: the top_p rows' runners' probe pass sums masses only (no count a probe: top_p alone never reads
+# one); the count above lo the rare search starts from is n_fin without min_p, else a pass of its own.
+RUNNER_MASSES = tl.constexpr(False)
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
 # third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
 # written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
@@ -704,9 +707,9 @@ def _place_probes(lo, hi, s_min, guess, first):
 
 
 @triton.jit
-def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr):
+def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr, COUNT: tl.constexpr = True):
     """#{s > t} and the mass sum(e^(s - m)) over s > t for each probe t: one read of the row, counted lane
-    by lane ([probes, BLOCK / 2] accumulators: registers) and reduced once."""
+    by lane ([probes, BLOCK / 2] accumulators: registers) and reduced once. Not COUNT: the counts are 0."""
     HALF: tl.constexpr = BLOCK // 2
     cnt = tl.zeros([probes.shape[0], HALF], tl.int32)
     mass = tl.zeros([probes.shape[0], HALF], tl.float32)
@@ -714,7 +717,8 @@ def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr):
         s = _load_scaled(src, start + tl.arange(0, HALF), V, scale)
         e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
         above = s[None, :] > probes[:, None]
-        cnt += above.to(tl.int32)
+        if COUNT:
+            cnt += above.to(tl.int32)
         mass += tl.where(above, e[None, :], 0.0)
     return tl.sum(cnt, 1), _mass_sum(mass, 1)
 
@@ -886,12 +890,18 @@ def _top_p_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, top_p, lo, 
     j = tl.arange(0, RUNNERS)
     s_c = tl.load(src + c_id) * scale
     last = tl.argmax(tl.where(c_key == tl.min(c_key, 0), c_id, -1), 0)  # the lowest ranked: it probes lo
-    cnt, mass = _probe_pass(src, scale, V, m, tl.where(j == last, lo, tl.maximum(s_c, lo)), BLOCK)
+    cnt, mass = _probe_pass(src, scale, V, m, tl.where(j == last, lo, tl.maximum(s_c, lo)), BLOCK,
+                            not RUNNER_MASSES)
     cl = _pick(cnt, last)
     z = _pick(mass, last)
     pz = top_p * z
-    token = _best_ranked(c_key, c_id, (j != last) & (c_key > float("-inf")) & (s_c > lo) & _keeps(cnt, mass, k, pz))
+    # top_p alone keeps by mass (k is no limit): the counts decide nothing here
+    token = _best_ranked(c_key, c_id, (j != last) & (c_key > float("-inf")) & (s_c > lo) & (mass < pz))
     if token < 0:
+        if RUNNER_MASSES:  # the count above lo the search starts from
+            cl = n_fin
+            if lo > float("-inf"):
+                cl = _pick(_probe_pass(src, scale, V, m, tl.where(j == 0, lo, float("inf")), BLOCK)[0], 0)
         if LAZY_MOMENTS:
             mean, std, s_min = _moments(src, scale, V, n_fin, BLOCK)
         guess = _gaussian_guess(mean, std, cl, k, top_p)
