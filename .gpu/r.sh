@@ -1,7 +1,8 @@
 # Call R (a cold `gaggle up`): issue 13's 256-stream closed loop with 4 API processes (what `gaggle up` picks on
 # the 16-core host) against 8: session 18's breakdown put ~24 ms of the burst's TTFT p50 (p90 ~100) between the
 # API's building a request and the worker's loop taking it, and 6 / 51 ms (p50 / p90) in the API before that, 64
-# requests of a wave on each process. Then the Triton cache packed to come back (bring_cache: a later session
+# requests of a wave on each process (the breakdown now splits the first at the stream entry's time: the API's
+# enqueue / Redis and the reader / the worker's inbox). Then the Triton cache packed to come back (bring_cache: a later session
 # carries it and skips ~300 s of a cold start).
 source .gpu/lib.sh
 model

@@ -194,13 +194,17 @@ def test_cancel_marker_and_deadline_for_queued_requests(r, redis_url, tiny_weigh
     assert result(r, "too-late").status == "expired"
 
 
-def test_a_result_says_when_the_reader_had_its_entry(r, redis_url, tiny_weights):
-    """The result's timings say when the worker's reader had the entry (read_s), between the API's request and the
-    loop's taking it (queued_s): the breakdown splits Redis from the worker's inbox there."""
+def test_a_result_says_when_redis_and_the_reader_had_its_entry(r, redis_url, tiny_weights):
+    """The result's timings say when Redis added the entry (added_s, from its id) and when the worker's reader had
+    it (read_s), between the API's request and the loop's taking it (queued_s): the breakdown splits the API's
+    enqueue, Redis and the reader, and the worker's inbox there."""
+    assert c.entry_time(b"1796285350772-0") == pytest.approx(1796285350.772)
+    assert c.entry_time("not-an-id") is None and c.entry_time(b"12") is None
     submit(r, "read", prompt(1), max_tokens=2)
     InProcessWorker(tiny_weights, redis_url).worker.run(burst=True)
     timings = result(r, "read").timings
     assert 0 < timings["read_s"] <= timings["queued_s"] < timings["ttft_s"], timings
+    assert -0.002 < timings["added_s"] <= timings["read_s"] + 0.001, timings  # Redis's millisecond stamp
 
 
 @pytest.mark.parametrize("handover", ["after-launch", "step-end"])

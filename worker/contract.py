@@ -347,6 +347,13 @@ _REQUEST_FIELDS = {
 _QUEUED_FIELDS = fields(QueuedRequest)
 
 
+def entry_time(entry_id: bytes | str) -> float | None:
+    """When Redis added a stream entry (its id is "<unix ms>-<seq>" unless a client chose it), in seconds."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = raw.partition("-")
+    return int(ms) / 1000 if ms.isdigit() and seq.isdigit() else None
+
+
 def request_id_of(fields: dict) -> str | None:
     """Best-effort request id of an entry that may not decode (for failing it cleanly): only a plausible id."""
     raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
@@ -475,7 +482,8 @@ class Result:
     error: dict | None = None  # {"message", "type", "code"}
     worker: str = ""
     meta: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)  # queued_s, ttft_s, e2e_s (and read_s: when the reader had it)
+    # queued_s, ttft_s, e2e_s; added_s (its stream entry's time) and read_s (when the worker's reader had it)
+    timings: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

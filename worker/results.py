@@ -78,6 +78,9 @@ class InFlight:
         now = self.last_token if self.is_done and self.last_token is not None else time.time()
         req = self.request
         timings = {"queued_s": round(self.received - req.created, 6)}
+        added = c.entry_time(self.entry_id)
+        if added is not None:
+            timings["added_s"] = round(added - req.created, 6)
         if self.read_at is not None:
             timings["read_s"] = round(self.read_at - req.created, 6)
         return Result(

@@ -26,7 +26,8 @@ from engine.report import publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
          "→ first token at the API", "→ first token at the client")
-INTAKE_PARTS = ("API built the request → the worker's reader had it (Redis, the reader's round trips)",
+INTAKE_PARTS = ("API built the request → in its Redis stream (the API's enqueue; the entry id's millisecond)",
+                "→ the worker's reader had it (Redis, the reader's round trips)",
                 "→ the worker's loop took it (its inbox)")
 WORKER_PARTS = ("took it → in the engine (accepted)", "→ last prompt chunk launched",
                 "→ first token on the worker")
@@ -78,13 +79,13 @@ def split(details: dict, worker: dict[str, dict], api_first: dict[str, float]) -
 
 
 def intake_split(details: dict, worker: dict[str, dict]) -> list[tuple[float, ...]]:
-    """Per request whose result has the reader's stamp: ``INTAKE_PARTS`` in seconds (they add up to the second
-    part of ``split``)."""
+    """Per request whose result has the stream entry's and the reader's stamps: ``INTAKE_PARTS`` in seconds (they
+    add up to the second part of ``split``; the entry's time has a millisecond's resolution)."""
     rows = []
     for rid in details["request_id"]:
         w = worker.get(rid)
-        if w is not None and "read_s" in w:
-            rows.append((w["read_s"], w["queued_s"] - w["read_s"]))
+        if w is not None and "read_s" in w and "added_s" in w:
+            rows.append((w["added_s"], w["read_s"] - w["added_s"], w["queued_s"] - w["read_s"]))
     return rows
 
 
