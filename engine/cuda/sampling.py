@@ -974,8 +974,8 @@ def _filtered_token(src, scale, V, m, n_fin, mean, std, s_min, w_id, row_key, k,
                                  CAP, BLOCK)
     else:
         if top_p < 1.0:
-            token = _top_p_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v, band_i,
-                                 CAP, BLOCK)
+            token = _top_p_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, top_p, lo, c_key, c_id, band_v,
+                                 band_i, CAP, BLOCK)
         elif tl.load(src + w_id) * scale <= lo:  # min_p alone: the winner unless under the floor, then the best
             # runner-up over it
             token = _best_ranked(c_key, c_id, (c_key > float("-inf")) & (tl.load(src + c_id) * scale > lo))
