@@ -1,7 +1,8 @@
 """The sampler table at batch 1 and 1,024 with the kernel's module settings set: python .gpu/switch_ab.py
-[--compile-only] [--graphed: each step also replayed from a CUDA graph, the device's time] [NAME=VALUE ...], e.g. VOCAB_TABLE=off (engine.cuda.sampling's settings: on / off for
-a constexpr switch, or a number). Run each setting in its own process and Triton cache (.gpu/c.sh
-compiles them all in parallel first, then times them one at a time)."""
+[--compile-only] [--graphed: each step also replayed from a CUDA graph, the device's time] [NAME=VALUE ...],
+e.g. VOCAB_TABLE=off (engine.cuda.sampling's settings: on / off for a constexpr switch, or a number). Run each
+setting in its own process and Triton cache (.gpu/lib.sh's `ab` compiles them all in parallel first, then times
+them one at a time)."""
 import sys
 
 import triton.language as tl

@@ -251,7 +251,7 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
         assert min(to_engine, to_launch, to_first) > -0.002, (to_engine, to_launch, to_first)
         w = worker[rid]
         assert to_engine + to_launch + to_first == pytest.approx(w["ttft_s"] - w["queued_s"], abs=1e-6)
-    # the reader had each entry after the API built it and before the loop took it: the two make up the second part
+    # in Redis, then with the reader, then taken by the loop: the three make up the second part
     intake = intake_split(details, worker)
     assert len(intake) == 8
     for (to_redis, to_reader, to_loop), parts in zip(intake, rows):

@@ -77,7 +77,8 @@ class InFlight:
         # finished when the engine ended it: the writer folds a step's outputs later (after the next launch)
         now = self.last_token if self.is_done and self.last_token is not None else time.time()
         req = self.request
-        timings = {"queued_s": round(self.received - req.created, 6)}
+        timings = {"queued_s": round(self.received - req.created, 6),
+                   "ttft_s": round((self.first_token or now) - req.created, 6), "e2e_s": round(now - req.created, 6)}
         added = c.entry_time(self.entry_id)
         if added is not None:
             timings["added_s"] = round(added - req.created, 6)
@@ -87,8 +88,7 @@ class InFlight:
             id=req.id, status=STATUS_COMPLETED, endpoint=req.endpoint, model=req.model, tenant=req.tenant,
             created=req.created, finished=now, choices=self.choices, prompt_tokens=self.num_prompt_tokens,
             completion_tokens=sum(len(ch.token_ids) for ch in self.choices), worker=worker, meta=req.meta,
-            timings={**timings, "ttft_s": round((self.first_token or now) - req.created, 6),
-                     "e2e_s": round(now - req.created, 6)})
+            timings=timings)
 
 
 def logprob_dicts(logprobs) -> list[dict]:
