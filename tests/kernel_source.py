@@ -1,5 +1,5 @@
 """The sampling kernel as Triton's compiler takes it without a GPU (an ASTSource for sm_90 code generation): a
-variant's stages, the vocabulary's launch shape, 16-byte aligned pointers. Used by the compile test and by
+variant's stages, the vocabulary's size and launch shape, 16-byte aligned pointers. Used by the compile test and by
 .gpu/regs.py (registers and spills a variant)."""
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ def sample_kernel_source(stages: dict[str, bool], vocab_size: int = 65536):
 
     from engine.cuda.sampling import _sample_kernel, config_for
     names = list(inspect.signature(_sample_kernel.fn).parameters)
-    signature = {n: f"*{POINTERS[n]}" if n in POINTERS else "constexpr" if n in ("CAP", "BLOCK", *stages) else "i32"
-                 for n in names}
-    aligned = [i for i, n in enumerate(names) if n in POINTERS or n in ("V", "stride")]
+    signature = {n: f"*{POINTERS[n]}" if n in POINTERS else "constexpr" if n in ("V", "CAP", "BLOCK", *stages)
+                 else "i32" for n in names}
+    aligned = [i for i, n in enumerate(names) if n in POINTERS or n == "stride"]
     cfg = config_for(vocab_size)
-    src = ASTSource(fn=_sample_kernel, signature=signature, constexprs={"CAP": cfg.cap, "BLOCK": cfg.block, **stages},
+    src = ASTSource(fn=_sample_kernel, signature=signature,
+                    constexprs={"V": vocab_size, "CAP": cfg.cap, "BLOCK": cfg.block, **stages},
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return src, cfg.num_warps

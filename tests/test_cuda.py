@@ -497,9 +497,10 @@ def test_cuda_sampler_is_deterministic_and_batch_invariant(target):
         logits = torch.randn(batch, 65536, device=DEVICE, generator=gen)
         logits[position] = row
         slots = torch.arange(batch, device=DEVICE)
-        state = [t.clone() for t in (sampler._generated, sampler.output_counts)]
+        kept = [t for t in (sampler._generated, sampler.output_counts) if t is not None]  # counts: penalty rows only
+        state = [t.clone() for t in kept]
         first = sampler.sample_device(logits, slots)
-        for t, saved in zip((sampler._generated, sampler.output_counts), state):
+        for t, saved in zip(kept, state):
             t.copy_(saved)  # the same positions again: the same noise
         again = sampler.sample_device(logits, slots)
         assert torch.equal(first.tokens, again.tokens)

@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -98,37 +99,68 @@ RUNNERS = tl.constexpr(4)
 # 0.19-0.28 -> 0.17-0.21 ms in both rounds; batch 1,024 0.52-0.64 against 0.59-0.63, no difference that repeated.
 # (A min_p race over the floor under the running maximum, the same session, measured no better: not kept.)
 LOGPROBS_LANE_BAND = tl.constexpr(True)
-# Candidates for session 19's A/B (off until the H200 says otherwise; exact either way, tests/sampling_check.py):
+# Session 18's candidates, on since session 19's interleaved A/B on the H200 (all six together against none, the
+# device's time, ms at batch 1 / 1,024, both rounds: top_p 0.9 0.12 / 0.57 -> 0.093-0.096 / 0.52-0.53, min_p 0.05
+# 0.087 / 0.505 -> 0.072 / 0.48, logprobs 5 0.105 / 0.52 -> 0.064 / 0.37, top_k 50 0.041 / 0.31 -> 0.034 / 0.30;
+# BENCHMARKS, "Session 19"). Exact either way (tests/sampling_check.py):
 # LAZY_MOMENTS: the filter rows' stats pass keeps no sum, sum of squares and minimum (24 registers a thread and ~5
 # instructions a value in a variant at ~250 registers); a row whose threshold search needs them (the Gaussian
 # guess of its first probes: top_p rows whose runners all fall outside, top_k rows past the lane band) gets them
 # from a pass of its own, the same sums in the same order.
-LAZY_MOMENTS = tl.constexpr(False)
+LAZY_MOMENTS = tl.constexpr(True)
 # ONE_LOAD: logprobs rows of variants without a processed row read each value once (the scaled value and the raw
 # logit are the same load there), where the stats pass loaded it twice.
-ONE_LOAD = tl.constexpr(False)
+ONE_LOAD = tl.constexpr(True)
 # BAND_VARIANTS: the lane band (the stats pass's second and third values a lane, for top_k rows) compiled only
 # into the filter variants of steps with top_k rows: a top_p / min_p step's variant keeps no band state (with
 # LAZY_MOMENTS: 243 -> 168 registers a thread, three 4-warp programs an SM instead of two; ptxas for sm_90a).
 # Four more variants to compile at warm-up. A host-side switch: off, the band is in every filter variant.
-BAND_VARIANTS = False
+BAND_VARIANTS = True
 # FIXED_SUMS: every sum across a block's lanes that decides a token or a logprob (the probes' masses, Z, the band's
 # prefix masses, the log-sum-exp) and the moments that place the first probes, summed as int64 fixed point (a
 # mass, at most 1 a value relative to the row's maximum, in units of 2^-40): a lane's own running sum is the same
 # whatever the program's shape (it holds the same positions of the same chunks, in order), and integer sums are
 # the same in any order, so a row's token no longer depends on the warps a program has. What lets filtered rows
 # of small steps run in a wide program (FILTER_WIDE) and stay batch-invariant.
-FIXED_SUMS = tl.constexpr(False)
+FIXED_SUMS = tl.constexpr(True)
 FIXED_UNIT = tl.constexpr(2.0 ** 40)
 # FILTER_WIDE (with FIXED_SUMS): steps of at most FEW_FILTERED rows run the filter and logprobs variants in one
 # 16-warp program an SM (same block, same band: the same arithmetic a row), where a 4-warp program streams a
 # row's chunks one after another on one SM (batch 1 on the H200, the device's time: top_p 0.9 0.12 ms, logprobs 5
 # 0.106; session 18). A host-side switch.
-FILTER_WIDE = False
+FILTER_WIDE = True
 FEW_FILTERED = 16
 # RUNNER_MASSES: the top_p rows' runners' probe pass sums masses only (no count a probe: top_p alone never reads
 # one); the count above lo the rare search starts from is n_fin without min_p, else a pass of its own.
-RUNNER_MASSES = tl.constexpr(False)
+RUNNER_MASSES = tl.constexpr(True)
+# Candidates for session 19's second A/B (off until the H200 says otherwise; the same tokens either way):
+# FAST_EXP: e^x as ex2.approx.ftz (inline PTX) of x * log2(e), where tl.exp's ex2.approx adds a fix-up for results
+# below 2^-126 (three instructions a value: the same bits above 2^-126, 0 below, where a mass is far under the
+# 2^-40 FIXED_SUMS keeps); the probe pass also drops its test for -inf values (e^-inf is 0: ~33 -> ~28
+# instructions a value in the runners' probe pass, SASS for sm_90a). tl.exp under the interpreter.
+FAST_EXP = tl.constexpr(False)
+# CHEAP_SKIP: the race's skip test v < e^(s - best) * 1.001 as h < 2^32 * 1.002 * e^(s - best), h the value's 32-bit
+# hash (v = (h + 0.5) / 2^32): no uniform a value and the slack's multiply in the exponent (~39 -> ~32
+# instructions a value in the stats pass). Never stricter than the old test (1.002 covers the rounding), so no
+# chunk that could change the race is skipped: the same tokens.
+CHEAP_SKIP = tl.constexpr(False)
+SKIP_EXPONENT = tl.constexpr(32.0 + math.log2(1.002))
+# WIDE_RUNNER_PROBE (with RUNNER_MASSES): the top_p rows' runners' probe pass over a whole block a chunk (its
+# [RUNNERS, BLOCK] masses: 32 registers a thread) where passes with counts take half: half the loop's barriers and
+# address arithmetic a value. Its lane sums are of other values than before (the same token but where top_p * Z
+# falls within rounding of a runner's mass; FIXED_SUMS keeps them batch-invariant).
+WIDE_RUNNER_PROBE = tl.constexpr(False)
+# UNMASKED: the kernels take the vocabulary size as a constant (a compile a vocabulary, as before in practice), and
+# where it is a multiple of the chunk, load without a mask: in range by construction (the same values); no
+# comparison and select a value in every pass (SASS for sm_90a, runners' probe pass with FAST_EXP: 25 -> 16
+# instructions a value; the stats pass ~35 -> ~30).
+UNMASKED = tl.constexpr(False)
+# FILTER_MAX_REGISTERS: a register cap (ptxas's .maxnreg) for the filter variants. With UNMASKED ptxas gives the
+# top_p / min_p variant 216 registers a thread (two 4-warp programs an SM) where it spilled down to 168 before
+# (three); capped at 168 its spills are in a row's set-up, none in a chunk loop (SASS for sm_90a). None: no cap.
+FILTER_MAX_REGISTERS: int | None = None
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+LOG2E = tl.constexpr(1.4426950408889634)
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
 # third ones, b3: every value above b3 is among those candidates, so when at least k of them are, the band is
 # written from registers and the row is done in one pass and a sort, where the search took a probe pass and a
@@ -233,11 +265,21 @@ def _element_hash(row_key, ids):
 
 
 @triton.jit
+def _load_row(ptr, offs, V, other):
+    """``ptr[offs]`` where ``offs < V``, else ``other``; ``V`` a constant: with UNMASKED and ``V`` a multiple of the
+    chunk every offset of the loop's chunks is in range, and the load has no mask."""
+    if UNMASKED and tl.constexpr(V) % offs.shape[0] == 0:
+        return tl.load(ptr + offs)
+    else:
+        return tl.load(ptr + offs, mask=offs < V, other=other)
+
+
+@triton.jit
 def _chunk_vocab_keys(vkeys, offs, V):
     """The per-id hashes of a chunk: read from the vocabulary's table with VOCAB_TABLE (one 4-byte load a value
     from L2, for two multiplies and three shifts), else computed."""
     if VOCAB_TABLE:
-        return tl.load(vkeys + offs, mask=offs < V, other=0).to(tl.uint32, bitcast=True)
+        return _load_row(vkeys, offs, V, 0).to(tl.uint32, bitcast=True)
     else:
         return _vocab_hash(offs)
 
@@ -246,6 +288,36 @@ def _chunk_vocab_keys(vkeys, offs, V):
 def _uniform(h):
     """v = (h + 0.5) / 2**32 in (0, 1), as engine.sampler.exponential_noise rounds it."""
     return tl.minimum((h.to(tl.float32) + 0.5) * 2.3283064365386963e-10, V_MAX)
+
+
+@triton.jit
+def _exp2(x):
+    """2^x: with FAST_EXP on the GPU ex2.approx.ftz (results below 2^-126 flushed to 0), else tl.exp2."""
+    if FAST_EXP and not INTERPRETED:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _exp(x):
+    """e^x: tl.exp's bits (x * log2(e), then ex2.approx) without its fix-up below 2^-126 with FAST_EXP."""
+    if FAST_EXP and not INTERPRETED:
+        return _exp2(x * LOG2E)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _may_beat(h, s, best_key):
+    """Whether a value of hash ``h`` (noise v = (h + 0.5) / 2^32) and value ``s`` may beat ``best_key``: its E
+    >= v must be < e^(s - best_key), tested as v < e^(s - best) * 1.001 (0.1% to spare for rounding) or, with
+    CHEAP_SKIP, h < 2^32 * 1.002 * e^(s - best) (never stricter)."""
+    if CHEAP_SKIP:
+        return h.to(tl.float32) < _exp2((s - best_key) * LOG2E + SKIP_EXPONENT)
+    else:
+        return _uniform(h) < _exp(s - best_key) * 1.001
 
 
 @triton.jit
@@ -263,9 +335,9 @@ def _race_chunk(s, start, keep, row_key, vk, best_key, best_id):
     lower id. A value beats best_key only if E < e^(s - best_key), and E >= v: a chunk where no v passes
     that (0.1% to spare for rounding) cannot change the race and skips the two logs a value (after the
     first few chunks most do). ``vk``: the chunk's per-id hashes (``_chunk_vocab_keys``)."""
-    v = _uniform(_mix32(row_key ^ vk))
-    if tl.sum((keep & (v < tl.exp(s - best_key) * 1.001)).to(tl.int32), 0) > 0:
-        key = tl.where(keep, s + _neg_log_noise(v), float("-inf"))
+    h = _mix32(row_key ^ vk)
+    if tl.sum((keep & _may_beat(h, s, best_key)).to(tl.int32), 0) > 0:
+        key = tl.where(keep, s + _neg_log_noise(_uniform(h)), float("-inf"))
         c_key, c_pos = tl.max(key, 0, return_indices=True, return_indices_tie_break_left=True)
         better = c_key > best_key
         best_key = tl.where(better, c_key, best_key)
@@ -277,10 +349,10 @@ def _race_chunk(s, start, keep, row_key, vk, best_key, best_id):
 def _race_chunk_runners(s, start, keep, row_key, vk, c_key, c_id):
     """``_race_chunk`` keeping the RUNNERS best keys (unsorted; order: key, then the lower id): a chunk is
     skipped when no value can beat the lowest of them."""
-    v = _uniform(_mix32(row_key ^ vk))
-    floor = tl.min(c_key, 0)
-    if tl.sum((keep & (v < tl.exp(s - floor) * 1.001)).to(tl.int32), 0) > 0:
-        c_key, c_id = _top_insert(tl.where(keep, s + _neg_log_noise(v), float("-inf")), start, c_key, c_id)
+    h = _mix32(row_key ^ vk)
+    if tl.sum((keep & _may_beat(h, s, tl.min(c_key, 0))).to(tl.int32), 0) > 0:
+        c_key, c_id = _top_insert(tl.where(keep, s + _neg_log_noise(_uniform(h)), float("-inf")), start, c_key,
+                                  c_id)
     return c_key, c_id
 
 
@@ -319,7 +391,13 @@ def counter_hash_rows_ref(keys: torch.Tensor, counters: torch.Tensor, vocab_size
 
 @triton.jit
 def _load_scaled(src, offs, V, scale):
-    return tl.load(src + offs, mask=offs < V, other=float("-inf")) * scale
+    return _load_row(src, offs, V, float("-inf")) * scale
+
+
+@triton.jit
+def _load_scaled_below(src, offs, hi, scale):
+    """``_load_scaled`` up to a bound known at run time only (a split race's segment)."""
+    return tl.load(src + offs, mask=offs < hi, other=float("-inf")) * scale
 
 
 @triton.jit
@@ -427,7 +505,7 @@ def _top_insert(x, start, top_v, top_i):
 @triton.jit
 def _raw_lse_chunk(x, m, z):
     """Lane-wise online log-sum-exp (one exp a value): running max ``m`` and sum ``z`` of e^(x - m)."""
-    d = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
+    d = tl.where(x == float("-inf"), 0.0, _exp(-tl.abs(x - m)))
     z = tl.where(x > m, z * d + 1.0, z + d)
     return tl.maximum(m, x), z
 
@@ -466,7 +544,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
     rthird_l = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         if ONE_LOAD and RAW_IS_SRC and LOGPROBS:
-            raw = tl.load(src + start + lanes, mask=start + lanes < V, other=float("-inf"))
+            raw = _load_row(src, start + lanes, V, float("-inf"))
             s = raw * scale  # what _load_scaled computes
         else:
             s = _load_scaled(src, start + lanes, V, scale)
@@ -490,7 +568,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
             if ONE_LOAD and RAW_IS_SRC:
                 x = raw
             else:
-                x = tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
+                x = _load_row(x_row, start + lanes, V, float("-inf"))
             if lp_k > 0:
                 if LOGPROBS_LANE_BAND:  # lane by lane, no reduction: the top-k is read off the lanes at the end
                     rsec_l, rsec_i, rthird_l = _lane_second(x, start + lanes, mr_l, rarg_l, rsec_l, rsec_i, rthird_l)
@@ -505,7 +583,7 @@ def _stats_pass(src, scale, x_row, V, row_key, vkeys, do_race, lp_k, want_band, 
         if lp_k > 0:
             top_v, top_i = _raw_top_k(x_row, V, mr_l, rarg_l, rsec_l, rsec_i, rthird_l, lp_k, BLOCK)
     m_raw = tl.max(mr_l, 0)
-    z_raw = _mass_sum(tl.where(mr_l > float("-inf"), zr_l * tl.exp(mr_l - m_raw), 0.0), 0)
+    z_raw = _mass_sum(tl.where(mr_l > float("-inf"), zr_l * _exp(mr_l - m_raw), 0.0), 0)
     arg = tl.min(tl.where(m_l == m, arg_l, 2 ** 31 - 1), 0)
     if FILTER:  # the winner is the best of the runners (0 when nothing was finite, as above)
         w_id = tl.maximum(_best_ranked(c_key, c_id, c_key > float("-inf")), 0)
@@ -610,7 +688,7 @@ def _raw_top_k(x_row, V, m_l, arg_l, sec_l, sec_i, third_l, k, BLOCK: tl.constex
             top_i = tl.where(j == t, 2147483647 - (best & 0xFFFFFFFF).to(tl.int32), top_i)
     else:
         for start in tl.range(0, V, BLOCK, num_stages=STAGES):
-            x = tl.load(x_row + start + tl.arange(0, BLOCK), mask=start + tl.arange(0, BLOCK) < V, other=float("-inf"))
+            x = _load_row(x_row, start + tl.arange(0, BLOCK), V, float("-inf"))
             top_v, top_i = _top_insert(x, start, top_v, top_i)
     return top_v, top_i
 
@@ -711,15 +789,22 @@ def _probe_pass(src, scale, V, m, probes, BLOCK: tl.constexpr, COUNT: tl.constex
     """#{s > t} and the mass sum(e^(s - m)) over s > t for each probe t: one read of the row, counted lane
     by lane ([probes, BLOCK / 2] accumulators: registers) and reduced once. Not COUNT: the counts are 0."""
     HALF: tl.constexpr = BLOCK // 2
+    m_finite = tl.where(m > float("-inf"), m, 0.0)
     cnt = tl.zeros([probes.shape[0], HALF], tl.int32)
     mass = tl.zeros([probes.shape[0], HALF], tl.float32)
     for start in tl.range(0, V, HALF, num_stages=STAGES):
         s = _load_scaled(src, start + tl.arange(0, HALF), V, scale)
-        e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
+        if FAST_EXP:  # e^-inf is 0 (m is finite: a pass over a row with no finite value has no use for e)
+            e = _exp(s - m_finite)
+        else:
+            e = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
         above = s[None, :] > probes[:, None]
         if COUNT:
             cnt += above.to(tl.int32)
-        mass += tl.where(above, e[None, :], 0.0)
+        if FAST_EXP:  # 1.0 * e + mass is mass + e: a set and a fused multiply-add, where a select took two
+            mass += above.to(tl.float32) * e[None, :]
+        else:
+            mass += tl.where(above, e[None, :], 0.0)
     return tl.sum(cnt, 1), _mass_sum(mass, 1)
 
 
@@ -791,7 +876,7 @@ def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.
 def _band_sorted(band_v, nb, m, CAP: tl.constexpr):
     j = tl.arange(0, CAP)
     v = tl.sort(tl.load(band_v + j, mask=j < nb, other=float("-inf")), descending=True)
-    return v, tl.where(j < nb, tl.exp(v - m), 0.0)
+    return v, tl.where(j < nb, _exp(v - m), 0.0)
 
 
 @triton.jit
@@ -867,7 +952,7 @@ def _top_k_mass(src, scale, V, m, lo, hi, cl, ml, ch, mh, k, row_key, band_v, ba
     """top_k with top_p and more than CAP values above the bracket: find the k-th value itself and the mass
     of the k largest (top_p's Z), then restart the bracket just below it."""
     if _span(lo, hi) <= 1:  # the k-th value is hi, in a tie group
-        z = mh + (k - ch).to(tl.float32) * tl.exp(hi - m)
+        z = mh + (k - ch).to(tl.float32) * _exp(hi - m)
     else:
         nb, w_key, w_id = _compact(src, scale, V, lo, hi, row_key, False, band_v, band_i, CAP, BLOCK)
         vk, z, cl, ml = _band_kth(band_v, nb, m, ch, mh, k, CAP)
@@ -890,8 +975,11 @@ def _top_p_token(src, scale, V, m, n_fin, mean, std, s_min, row_key, top_p, lo, 
     j = tl.arange(0, RUNNERS)
     s_c = tl.load(src + c_id) * scale
     last = tl.argmax(tl.where(c_key == tl.min(c_key, 0), c_id, -1), 0)  # the lowest ranked: it probes lo
-    cnt, mass = _probe_pass(src, scale, V, m, tl.where(j == last, lo, tl.maximum(s_c, lo)), BLOCK,
-                            not RUNNER_MASSES)
+    probes = tl.where(j == last, lo, tl.maximum(s_c, lo))
+    if WIDE_RUNNER_PROBE and RUNNER_MASSES:  # a whole block a chunk (_probe_pass takes half of what it is given)
+        cnt, mass = _probe_pass(src, scale, V, m, probes, 2 * BLOCK, False)
+    else:
+        cnt, mass = _probe_pass(src, scale, V, m, probes, BLOCK, not RUNNER_MASSES)
     cl = _pick(cnt, last)
     z = _pick(mass, last)
     pz = top_p * z
@@ -1081,7 +1169,7 @@ def _row_token(x_row, V, slot, inv_t, pen, rep, freq, pres, n_bias, n_ban, maske
 
 @triton.jit(do_not_specialize=["B", "bias_w", "ban_w", "has_penalty_state", "can_prepare", "record", "top_w",
                                "mask_w", "has_masks"])
-def _sample_kernel(logits, V, stride, slots, B, fparams, iparams, generated, vkeys,
+def _sample_kernel(logits, V: tl.constexpr, stride, slots, B, fparams, iparams, generated, vkeys,
                    bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
                    masks, mask_w, has_masks,
                    scratch, can_prepare, band_v, band_i, record, out_token, out_k, out_lp, out_top_id, out_top_lp,
@@ -1139,7 +1227,7 @@ def _packed(key, token):
 
 
 @triton.jit(do_not_specialize=["bias_w", "ban_w", "has_penalty_state", "mask_w", "has_masks"])
-def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, best, vkeys,
+def _race_split_kernel(logits, V: tl.constexpr, stride, slots, fparams, iparams, generated, best, vkeys,
                        bias_ids, bias_vals, bias_w, ban_ids, ban_w, counts, in_prompt, has_penalty_state,
                        masks, mask_w, has_masks, scratch, PREPARE: tl.constexpr, SEGMENT: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -1176,7 +1264,7 @@ def _race_split_kernel(logits, V, stride, slots, fparams, iparams, generated, be
     w_key = float("-inf")
     w_id = 0
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        s = _load_scaled(src, start + lanes, hi, scale)
+        s = _load_scaled_below(src, start + lanes, hi, scale)
         if sampled:
             w_key, w_id = _race_chunk(s, start, s > float("-inf"), row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
                                       w_key, w_id)
@@ -1289,7 +1377,8 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
             max(top_w, 1), FILTER=f.filtered, LOGPROBS=f.logprobs, PREPARE=prepare, BAND=_has_band(f),
-            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
+            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps,
+            **({"maxnreg": FILTER_MAX_REGISTERS} if f.filtered and FILTER_MAX_REGISTERS else {}))
     if not f.logprobs:
         return DeviceSample(tokens)
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
