@@ -133,32 +133,25 @@ FEW_FILTERED = 16
 # RUNNER_MASSES: the top_p rows' runners' probe pass sums masses only (no count a probe: top_p alone never reads
 # one); the count above lo the rare search starts from is n_fin without min_p, else a pass of its own.
 RUNNER_MASSES = tl.constexpr(True)
-# Candidates for session 19's second A/B (off until the H200 says otherwise; the same tokens either way):
+# Session 19's second A/B on the H200 (all three together against none, the device's time, ms at batch 1 / 1,024,
+# both rounds: top_p 0.9 0.09 / 0.545 -> 0.078 / 0.433, min_p 0.05 0.07 / 0.487 -> 0.066 / 0.435, logprobs 5 0.062 /
+# 0.37 -> 0.06 / 0.32, T=1 0.174 -> 0.147 at 1,024; BENCHMARKS, "Session 19"), the same tokens either way:
 # FAST_EXP: e^x as ex2.approx.ftz (inline PTX) of x * log2(e), where tl.exp's ex2.approx adds a fix-up for results
 # below 2^-126 (three instructions a value: the same bits above 2^-126, 0 below, where a mass is far under the
 # 2^-40 FIXED_SUMS keeps); the probe pass also drops its test for -inf values (e^-inf is 0: ~33 -> ~28
 # instructions a value in the runners' probe pass, SASS for sm_90a). tl.exp under the interpreter.
-FAST_EXP = tl.constexpr(False)
+FAST_EXP = tl.constexpr(True)
 # CHEAP_SKIP: the race's skip test v < e^(s - best) * 1.001 as h < 2^32 * 1.002 * e^(s - best), h the value's 32-bit
 # hash (v = (h + 0.5) / 2^32): no uniform a value and the slack's multiply in the exponent (~39 -> ~32
 # instructions a value in the stats pass). Never stricter than the old test (1.002 covers the rounding), so no
 # chunk that could change the race is skipped: the same tokens.
-CHEAP_SKIP = tl.constexpr(False)
+CHEAP_SKIP = tl.constexpr(True)
 SKIP_EXPONENT = tl.constexpr(32.0 + math.log2(1.002))
 # WIDE_RUNNER_PROBE (with RUNNER_MASSES): the top_p rows' runners' probe pass over a whole block a chunk (its
 # [RUNNERS, BLOCK] masses: 32 registers a thread) where passes with counts take half: half the loop's barriers and
 # address arithmetic a value. Its lane sums are of other values than before (the same token but where top_p * Z
 # falls within rounding of a runner's mass; FIXED_SUMS keeps them batch-invariant).
-WIDE_RUNNER_PROBE = tl.constexpr(False)
-# UNMASKED: the kernels take the vocabulary size as a constant (a compile a vocabulary, as before in practice), and
-# where it is a multiple of the chunk, load without a mask: in range by construction (the same values); no
-# comparison and select a value in every pass (SASS for sm_90a, runners' probe pass with FAST_EXP: 25 -> 16
-# instructions a value; the stats pass ~35 -> ~30).
-UNMASKED = tl.constexpr(False)
-# FILTER_MAX_REGISTERS: a register cap (ptxas's .maxnreg) for the filter variants. With UNMASKED ptxas gives the
-# top_p / min_p variant 216 registers a thread (two 4-warp programs an SM) where it spilled down to 168 before
-# (three); capped at 168 its spills are in a row's set-up, none in a chunk loop (SASS for sm_90a). None: no cap.
-FILTER_MAX_REGISTERS: int | None = None
+WIDE_RUNNER_PROBE = tl.constexpr(True)
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 LOG2E = tl.constexpr(1.4426950408889634)
 # The lane band (top_k rows): the stats pass keeps each lane's two largest values and the largest of the lanes'
@@ -266,12 +259,10 @@ def _element_hash(row_key, ids):
 
 @triton.jit
 def _load_row(ptr, offs, V, other):
-    """``ptr[offs]`` where ``offs < V``, else ``other``; ``V`` a constant: with UNMASKED and ``V`` a multiple of the
-    chunk every offset of the loop's chunks is in range, and the load has no mask."""
-    if UNMASKED and tl.constexpr(V) % offs.shape[0] == 0:
-        return tl.load(ptr + offs)
-    else:
-        return tl.load(ptr + offs, mask=offs < V, other=other)
+    """``ptr[offs]`` where ``offs < V``, else ``other``. (Without the mask where V is a multiple of the chunk:
+    top_p 0.433 -> 0.415 ms at batch 1,024 but T=1 0.147 -> 0.183 and logprobs 0.32 -> 0.40, from the
+    registers it took; session 19 on the H200. Not kept.)"""
+    return tl.load(ptr + offs, mask=offs < V, other=other)
 
 
 @triton.jit
@@ -393,11 +384,6 @@ def counter_hash_rows_ref(keys: torch.Tensor, counters: torch.Tensor, vocab_size
 def _load_scaled(src, offs, V, scale):
     return _load_row(src, offs, V, float("-inf")) * scale
 
-
-@triton.jit
-def _load_scaled_below(src, offs, hi, scale):
-    """``_load_scaled`` up to a bound known at run time only (a split race's segment)."""
-    return tl.load(src + offs, mask=offs < hi, other=float("-inf")) * scale
 
 
 @triton.jit
@@ -1264,7 +1250,7 @@ def _race_split_kernel(logits, V: tl.constexpr, stride, slots, fparams, iparams,
     w_key = float("-inf")
     w_id = 0
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        s = _load_scaled_below(src, start + lanes, hi, scale)
+        s = _load_scaled(src, start + lanes, hi, scale)
         if sampled:
             w_key, w_id = _race_chunk(s, start, s > float("-inf"), row_key, _chunk_vocab_keys(vkeys, start + lanes, V),
                                       w_key, w_id)
@@ -1377,8 +1363,7 @@ def sample_rows(logits: torch.Tensor, slots: torch.Tensor, t: SlotTables, f: Fea
             int(has_pen), masks, masks.shape[1] if has_masks else 0, int(has_masks), scratch, int(prepare),
             ws.band_v, ws.band_i, int(record), tokens, k, lp, top_ids, top_lp,
             max(top_w, 1), FILTER=f.filtered, LOGPROBS=f.logprobs, PREPARE=prepare, BAND=_has_band(f),
-            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps,
-            **({"maxnreg": FILTER_MAX_REGISTERS} if f.filtered and FILTER_MAX_REGISTERS else {}))
+            CAP=cfg.cap, BLOCK=cfg.block, num_warps=cfg.num_warps)
     if not f.logprobs:
         return DeviceSample(tokens)
     return DeviceSample(tokens, k, lp, top_ids[:, :top_w], top_lp[:, :top_w])
