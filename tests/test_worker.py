@@ -194,6 +194,33 @@ def test_cancel_marker_and_deadline_for_queued_requests(r, redis_url, tiny_weigh
     assert result(r, "too-late").status == "expired"
 
 
+def test_a_deadline_passing_mid_generation_ends_it_with_what_was_streamed(r, redis_url, tiny_weights):
+    """The worker finds a deadline passed between steps, with the next step already launched (the overlapped
+    loop): the result is "expired" with the tokens streamed before it, no more (the token of the step in flight
+    is dropped), counted exactly; the same request without a deadline starts with the same tokens."""
+    pubsub = r.pubsub()
+    pubsub.subscribe(c.out_channel("late"))
+    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    sampling = dict(max_tokens=10_000, ignore_eos=True, temperature=1.0, seed=11)
+    with InProcessWorker(tiny_weights, redis_url, deadline_check_interval_s=0.01):
+        late = c.QueuedRequest(id="late", prompt_token_ids=prompt(2), params=sampling, stream=True,
+                               created=time.time(), deadline=time.time() + 2.0)
+        pipe = r.pipeline()
+        late.enqueue(pipe)
+        pipe.execute()
+        res = wait_results(r, ["late"], 60)["late"]
+        submit(r, "free", prompt(2), **{**sampling, "max_tokens": res.completion_tokens + 3})
+        free = wait_results(r, ["free"], 60)["free"]
+    streamed = []
+    while (msg := pubsub.get_message(timeout=1)) is not None:
+        if msg["type"] == "message" and (body := orjson.loads(msg["data"]))["type"] == "delta":
+            streamed += [t for ch in body["choices"] for t in ch["token_ids"]]
+    tokens = res.choices[0].token_ids
+    assert res.status == "expired" and 0 < res.completion_tokens < 10_000, (res.status, res.completion_tokens)
+    assert streamed == tokens and len(tokens) == res.completion_tokens
+    assert free.choices[0].token_ids[:len(tokens)] == tokens
+
+
 def test_a_result_says_when_redis_and_the_reader_had_its_entry(r, redis_url, tiny_weights):
     """The result's timings say when Redis added the entry (added_s, from its id) and when the worker's reader had
     it (read_s), between the API's request and the loop's taking it (queued_s): the breakdown splits the API's
