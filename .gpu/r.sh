@@ -8,8 +8,8 @@ source .gpu/lib.sh
 model
 W="--input-len 128 --output-len 256 --ignore-eos --temperature 1.0"
 L="--num-prompts 1024 --max-concurrency 256"
-for api in 4 8; do
-  if [ "$api" != 4 ]; then before 420 || break; fi
+for api in ${@:-4 8}; do  # `bash .gpu/r.sh 8`: 8 API processes only
+  if [ "$api" != "${1:-4}" ]; then before 420 || break; fi
   up 8000 --worker-arg=--max-num-seqs=1024 --api-workers $api || break
   for run in 1 2; do
     bench s256-api$api-$run 100 $L $W --save-detailed
