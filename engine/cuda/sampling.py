@@ -138,8 +138,9 @@ RUNNER_MASSES = tl.constexpr(True)
 # 0.37 -> 0.06 / 0.32, T=1 0.174 -> 0.147 at 1,024; BENCHMARKS, "Session 19"), the same tokens either way:
 # FAST_EXP: e^x as ex2.approx.ftz (inline PTX) of x * log2(e), where tl.exp's ex2.approx adds a fix-up for results
 # below 2^-126 (three instructions a value: the same bits above 2^-126, 0 below, where a mass is far under the
-# 2^-40 FIXED_SUMS keeps); the probe pass also drops its test for -inf values (e^-inf is 0: ~33 -> ~28
-# instructions a value in the runners' probe pass, SASS for sm_90a). tl.exp under the interpreter.
+# 2^-40 FIXED_SUMS keeps); the probe pass also drops its test for -inf values (e^-inf is 0) and adds a mass as
+# a 0/1 multiply-add (~33 -> ~25 instructions a value in the runners' probe pass, with WIDE_RUNNER_PROBE; SASS for
+# sm_90a). tl.exp under the interpreter.
 FAST_EXP = tl.constexpr(True)
 # CHEAP_SKIP: the race's skip test v < e^(s - best) * 1.001 as h < 2^32 * 1.002 * e^(s - best), h the value's 32-bit
 # hash (v = (h + 0.5) / 2^32): no uniform a value and the slack's multiply in the exponent (~39 -> ~32
@@ -383,7 +384,6 @@ def counter_hash_rows_ref(keys: torch.Tensor, counters: torch.Tensor, vocab_size
 @triton.jit
 def _load_scaled(src, offs, V, scale):
     return _load_row(src, offs, V, float("-inf")) * scale
-
 
 
 @triton.jit
