@@ -20,6 +20,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cli.status import StatusLine
+from engine.args import DEFAULT_DATA_DIR, ensure_demo_model
+
 log = logging.getLogger("gaggle.up")
 
 BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
@@ -102,7 +105,7 @@ class Supervisor:
         self.stopping = False
 
     def _python(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "worker.cli", "--log-level", "INFO",
+        return [sys.executable, "-m", "cli.main", "--log-level", "INFO",
                 "--log-format", "json", *args]
 
     def build(self) -> None:
@@ -231,52 +234,6 @@ Ctrl-C stops everything (workers finish their running requests first).
         print("gaggle: stopped", file=sys.stderr)
 
 
-class StatusLine:
-    """Every few seconds, when it changed: live workers, running and queued requests, tok/s, running batches."""
-
-    INTERVAL_S = 5.0
-
-    def __init__(self, redis_url: str):
-        import redis
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2)
-        self.last, self.next_at = "", 0.0
-
-    def maybe_print(self) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            return
-        self.next_at = now + self.INTERVAL_S
-        try:
-            line = cluster_status(self.redis)
-        except Exception as e:  # redis restarting: say nothing rather than something wrong
-            log.debug("status unavailable", extra={"error": str(e)})
-            return
-        if line != self.last:
-            self.last = line
-            print(f"gaggle: {line}", file=sys.stderr, flush=True)
-
-
-def cluster_status(r) -> str:
-    from worker import contract as c
-    names = [n.decode() for n in r.zrange(c.WORKER_REGISTRY, 0, -1)]
-    beats = [c.Heartbeat.decode(b) for b in (r.mget([c.heartbeat_key(n) for n in names]) if names else []) if b]
-    tenants = [t.decode() for t in r.zrange(c.TENANTS, 0, -1)]
-    streams = [c.request_stream(p, t) for t in tenants for p in c.PRIORITIES]
-    pipe = r.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xlen(stream)
-    in_streams = sum(pipe.execute()) if streams else 0
-    running = sum(w.running for w in beats)
-    parts = [f"{len(beats)} worker{'s' * (len(beats) != 1)}", f"{running} running",
-             f"{max(0, in_streams - running)} queued", f"{sum(w.tokens_per_s for w in beats):,.0f} tok/s"]
-    for batch_id in sorted(b.decode() for b in r.smembers(c.BATCHES_ACTIVE))[:3]:
-        status, total, done, failed = r.hmget(c.batch_key(batch_id), "status", "total", "completed", "failed")
-        if status:
-            parts.append(f"{batch_id[:14]}… {status.decode()} {int(done or 0) + int(failed or 0)}/{int(total or 0)}"
-                         + (f" ({int(failed)} failed)" if failed and int(failed) else ""))
-    return " · ".join(parts)
-
-
 def default_api_workers() -> int:
     """A quarter of the cores, 1 to 8: at ~19k streamed tok/s four API processes were each 50-65% busy
     (BENCHMARKS.md), and the worker, its I/O threads and Redis need cores of their own."""
@@ -293,7 +250,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-workers", type=int, default=None,
                    help=f"API processes (default: a quarter of the cores, 1 to 8; here {default_api_workers()})")
     p.add_argument("--model-name", help="model id clients see (default: the file's name)")
-    p.add_argument("--data-dir", default=".gaggle", help="demo model, Redis AOF and logs")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="demo model, Redis AOF and logs")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag passed to each worker, e.g. --worker-arg=--max-num-seqs=512")
@@ -302,7 +259,6 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from worker.cli import ensure_demo_model
     model = args.model or str(ensure_demo_model(Path(args.data_dir)))
     if args.model and not Path(args.model).exists():
         print(f"gaggle: model not found: {args.model}", file=sys.stderr)

@@ -74,7 +74,7 @@ def start_worker(redis_url: str, model: str, name: str | None, *extra: str,
     """A worker process (``name`` None: the worker picks its own); its log goes to a file (a pipe nobody reads
     would block it), see ``log_of``."""
     named = ["--name", name] if name is not None else []
-    cmd = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "--log-format", "json", "worker",
+    cmd = [sys.executable, "-m", "cli.main", "--log-level", "INFO", "--log-format", "json", "worker",
            "--redis-url", redis_url, "--model", model, "--device", "cpu", *named, *extra]
     log = tempfile.NamedTemporaryFile(prefix=f"gaggle-{name or 'worker'}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **ONE_THREAD, **(env or {})},

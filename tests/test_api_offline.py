@@ -76,8 +76,8 @@ def set_fake_heartbeat(r) -> None:
 # -- no torch, pure helpers ----------------------------------------------------------------------
 
 def test_import_api_main_leaves_torch_out():
-    code = ("import sys, api.main, api.server, worker.cli; api.main.create_app(); "
-            "worker.cli.build_parser().parse_args(['api']); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, api.main, api.server, cli.main; api.main.create_app(); "
+            "cli.main.build_parser().parse_args(['api']); assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

@@ -106,7 +106,7 @@ def test_a_port_in_use_is_a_clear_error(redis_url):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        done = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", str(taken.getsockname()[1]),
+        done = subprocess.run([sys.executable, "-m", "cli.main", "api", "--port", str(taken.getsockname()[1]),
                                "--workers", "2", "--redis-url", redis_url], cwd=REPO, capture_output=True,
                               text=True, timeout=60)
     finally:
@@ -188,7 +188,7 @@ def test_sigttin_adds_a_process_and_sigttou_stops_one_but_never_the_last(two_pro
 def test_processes_that_cannot_start_stop_the_api_with_status_3(redis_url):
     """A setting every process fails on at startup (an API keys file that is not there): exit 3, not restarts
     forever."""
-    done = subprocess.run([sys.executable, "-m", "worker.cli", "api", "--port", str(free_port()), "--workers", "2",
+    done = subprocess.run([sys.executable, "-m", "cli.main", "api", "--port", str(free_port()), "--workers", "2",
                            "--redis-url", redis_url, "--api-keys-file", "/nonexistent/keys.txt"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]

@@ -22,7 +22,7 @@ class ApiServer:
     def __init__(self, redis_url: str, *extra: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "worker.cli", "--log-level", "INFO", "--log-format", "json", "api",
+        cmd = [sys.executable, "-m", "cli.main", "--log-level", "INFO", "--log-format", "json", "api",
                "--host", "127.0.0.1", "--port", str(self.port), "--redis-url", redis_url, *extra]
         log = tempfile.NamedTemporaryFile(prefix="gaggle-api-", suffix=".log", delete=False)
         self.log_path = log.name

@@ -26,7 +26,7 @@ def start_batch_worker(redis_url: str, files_dir: Path, name: str, *extra: str) 
     """``gaggle batch-worker`` in its own process group (RQ forks a job process: a crash kills both)."""
     files_dir.mkdir(parents=True, exist_ok=True)
     log = open(files_dir.parent / f"{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "INFO", "batch-worker",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "--log-level", "INFO", "batch-worker",
                              "--redis-url", redis_url, "--files-dir", str(files_dir), "--window", "64", *extra],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log_path = log.name
@@ -387,7 +387,7 @@ def test_uploads_are_checked(stack, client):
 def test_the_cli_submits_follows_and_downloads(stack, tmp_path):
     path = write_lines(tmp_path / "cli.jsonl", 12, max_tokens=4)
     env = {**os.environ, "OPENAI_API_KEY": KEY_A}
-    cli = [sys.executable, "-m", "worker.cli", "batch"]
+    cli = [sys.executable, "-m", "cli.main", "batch"]
     url = ["--base-url", stack["api"].url]
     done = subprocess.run([*cli, "submit", str(path), "--wait", *url], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)

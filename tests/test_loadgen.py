@@ -191,7 +191,7 @@ def api_url(redis_server, tiny_model_path, tmp_path_factory):
 
 
 def bench(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.cli", "bench", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", "bench", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
@@ -339,7 +339,7 @@ def batch_api(api_url, redis_server):
     from tests.queue_helpers import kill_group
     log = tempfile.NamedTemporaryFile(prefix="gaggle-bench-batch-worker-", suffix=".log", delete=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GAGGLE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "INFO", "batch-worker",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "--log-level", "INFO", "batch-worker",
                              "--redis-url", redis_server.url, "--files-dir", os.path.join(REPO, ".gaggle", "files")],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log_path = log.name

@@ -13,7 +13,7 @@ README = (Path(REPO) / "README.md").read_text()
 
 
 def subcommand(name: str) -> argparse.ArgumentParser:
-    from worker.cli import build_parser
+    from cli.main import build_parser
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[name]
 

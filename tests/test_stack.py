@@ -39,7 +39,7 @@ def test_compose_has_the_stack():
 
 
 def test_every_gaggle_command_parses_with_the_cli():
-    from worker.cli import build_parser
+    from cli.main import build_parser
     parser = build_parser()
     for name in GAGGLE:
         args = parser.parse_args([interpolate(a) for a in SERVICES[name]["command"]])

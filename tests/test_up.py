@@ -22,7 +22,7 @@ from worker.redis_server import free_port
 def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
     import openai
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--device", "cpu", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--device", "cpu", "--port", str(port),
                              "--data-dir", str(tmp_path / "data")], cwd=REPO, env={**os.environ, **ONE_THREAD},
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -70,7 +70,7 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
 
 def start_up(data_dir, port: int, *extra: str) -> subprocess.Popen:
     """``gaggle up`` as a terminal runs it: its own process group, which Ctrl-C signals as a whole."""
-    return subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--device", "cpu", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--device", "cpu", "--port", str(port),
                              "--data-dir", str(data_dir), *extra], cwd=REPO, env={**os.environ, **ONE_THREAD},
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -179,7 +179,7 @@ def test_a_batch_completes_through_gaggle_up(tmp_path):
 def test_the_batch_worker_gets_the_apis_limits():
     """``gaggle up --api-arg``: the flags a batch line is checked against reach the batch worker too, in either
     spelling; the others (keys, timeouts) stay the API's."""
-    from worker.supervisor import limit_args
+    from cli.up import limit_args
     api_args = ["--max-prompt-tokens=64", "--api-keys-file=k.txt", "--max-n", "4", "--request-timeout=9",
                 "--model-name", "goose"]
     assert limit_args(api_args) == ["--max-prompt-tokens=64", "--max-n", "4", "--model-name", "goose"]

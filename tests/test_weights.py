@@ -114,7 +114,7 @@ def test_hf_directory_without_config(tmp_path):
 def test_cli_reports_bad_model_without_traceback(tmp_path):
     path = tmp_path / "bad.pth"
     path.write_bytes(b"\x00" * 100)
-    proc = subprocess.run([sys.executable, "-m", "worker.cli", "generate", "--model", str(path),
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", str(path),
                            "--prompt", "hi", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot read" in proc.stderr and "Traceback" not in proc.stderr

@@ -310,7 +310,7 @@ def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_pat
     for i, rid in enumerate(rids):
         submit(r, rid, prompt(i), max_tokens=150, ignore_eos=True)
     w = start_worker(redis_url, str(tiny_model_path), "drainer", "--max-num-seqs", "4", "--drain-timeout", "600")
-    check = [sys.executable, "-m", "worker.cli", "worker", "--check", "--name", "drainer", "--redis-url", redis_url]
+    check = [sys.executable, "-m", "cli.main", "worker", "--check", "--name", "drainer", "--redis-url", redis_url]
     assert wait_running(r, rids)
     assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 0
     submit(r, "late", prompt(9), max_tokens=4)  # arrives while draining: left for others

@@ -1,4 +1,4 @@
-"""``gaggle bench``: flags and the command (registered by ``worker/cli.py``).
+"""``gaggle bench``: flags and the command (registered by ``cli/main.py``).
 
     gaggle bench --base-url http://127.0.0.1:8000 --num-prompts 200 --input-len 512 --output-len 128 \\
                  --request-rate 20 --save-result served.json
@@ -33,7 +33,7 @@ def default_client_processes() -> int:
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The bench flags plus the worker's engine flags (for --engine-only); ``p`` resolves the one clash,
     --model, in favour of the bench's meaning (``conflict_handler="resolve"``)."""
-    from worker.cli import add_engine_args, add_engine_kind_arg
+    from engine.args import add_engine_args, add_engine_kind_arg
     add_engine_args(p)
     add_engine_kind_arg(p)  # --engine-only with a synthetic engine: the served path's cost on machines without a GPU
     g = p.add_argument_group("target")

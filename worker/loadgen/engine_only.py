@@ -40,7 +40,7 @@ def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arri
     from engine.params import SamplingParams
     from engine.sequence import Request
     from engine.synthetic import parse_engine_spec
-    from worker.cli import build_engine
+    from engine.args import build_engine
 
     engine, _ = build_engine(args, parse_engine_spec(args.engine))  # as `gaggle worker --engine` builds it
     engine.warm_up()  # as the worker does before its first heartbeat: no compilation or capture in the timed run

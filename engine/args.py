@@ -1,0 +1,128 @@
+"""The engine's command-line flags and the engine they build, shared by the ``gaggle`` command and the benchmarks.
+
+The flags are generated from ``EngineConfig``'s fields (as vLLM's ``EngineArgs``), so a default lives in one
+place. No torch at import: the API's command line imports this module too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.config import BACKENDS, DTYPES, EngineConfig
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+
+DEFAULT_DATA_DIR = ".gaggle"
+CPU_MAX_NUM_SEQS = 32  # --max-num-seqs on a CPU (EngineConfig's default is a GPU's)
+
+# the EngineConfig fields offered as flags, in this order, with their help and choices
+ENGINE_FLAGS: dict[str, dict] = {
+    "model": dict(help="RWKV-7 .pth file or fla-hub directory (default: a demo model with random weights)"),
+    "device": dict(help="auto | cpu | cuda | cuda:N"),
+    "dtype": dict(choices=DTYPES),
+    "state_dtype": dict(choices=("float32", "bfloat16")),
+    "backend": dict(choices=BACKENDS),
+    "max_num_seqs": dict(help=f"concurrent sequences (default {EngineConfig.max_num_seqs} on GPU, "
+                              f"{CPU_MAX_NUM_SEQS} on CPU)"),
+    "max_num_batched_tokens": dict(help="tokens per step (decodes + prompt chunks); prefill graphs are captured "
+                                        "up to this size"),
+    "prefill_hold_tokens": dict(help="beside decodes, new prompts wait until this many prompt tokens wait, so that "
+                                     "they share one prefill step (0: admit at once)"),
+    "prefill_hold_steps": dict(help="... for at most this many steps"),
+    "prefill_per_decode": dict(help="beside decodes, prompt tokens a step per decoding sequence (0: no cap) ..."),
+    "min_prefill_chunk": dict(help="... but at least this many"),
+    "max_model_len": dict(),
+    "enforce_eager": dict(help="disable CUDA graphs"),
+    "gpu_memory_utilization": dict(),
+}
+SCHEDULING_FIELDS = ("prefill_hold_tokens", "prefill_hold_steps", "prefill_per_decode", "min_prefill_chunk")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The ``engine`` flag group: one flag per ENGINE_FLAGS field, its default EngineConfig's, and --data-dir."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    g = p.add_argument_group("engine")
+    for name, extra in ENGINE_FLAGS.items():
+        flag, default = "--" + name.replace("_", "-"), defaults[name]
+        if isinstance(default, bool):
+            g.add_argument(flag, action="store_true", **extra)
+        elif name == "max_num_seqs":  # chosen by the device (engine_config_from_args)
+            g.add_argument(flag, type=int, default=None, **extra)
+        else:
+            g.add_argument(flag, type=str if default is None else type(default), default=default, **extra)
+    g.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the demo model and embedded Redis data live")
+
+
+def add_engine_kind_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="real",
+                   help="real | synthetic:TOKENS_PER_S[:PROMPT_TOKENS_PER_S] (no model: tokens at a fixed rate through "
+                        "the real scheduler and I/O, for load tests; prompts at twice the rate unless given)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags name; no --model: the demo model, written once into --data-dir."""
+    model = args.model or str(ensure_demo_model(Path(args.data_dir)))
+    max_num_seqs = args.max_num_seqs
+    if max_num_seqs is None:
+        cpu = args.device == "cpu" or (args.device == "auto" and not _has_cuda())
+        max_num_seqs = CPU_MAX_NUM_SEQS if cpu else EngineConfig.max_num_seqs
+    return EngineConfig(model=model, device=args.device, dtype=args.dtype, state_dtype=args.state_dtype,
+                        backend=args.backend, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
+                        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        **scheduling_args(args))
+
+
+def scheduling_args(args: argparse.Namespace) -> dict:
+    """The scheduler's EngineConfig fields from the flags (a real or a synthetic engine)."""
+    return {name: getattr(args, name) for name in SCHEDULING_FIELDS}
+
+
+def build_engine(args: argparse.Namespace,
+                 synthetic: tuple[float, float | None] | None) -> tuple[LLMEngine, EngineConfig]:
+    """The worker's engine and its config: the model's, or (decode and prefill rates) a synthetic one with no
+    model at all."""
+    from engine.engine import LLMEngine
+    if synthetic is not None:
+        from engine.synthetic import synthetic_engine
+        num_seqs = args.max_num_seqs or 1024
+        config = EngineConfig(model="synthetic", device="cpu", max_num_seqs=num_seqs,
+                              max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs),
+                              max_model_len=args.max_model_len, **scheduling_args(args))
+        return synthetic_engine(config, *synthetic), config
+    config = engine_config_from_args(args)
+    return LLMEngine(config), config  # ModelFormatError is a ValueError
+
+
+def ensure_demo_model(data_dir: Path) -> Path:
+    """The demo model (2 layers, width 128, real vocabulary), generated once into ``data_dir``."""
+    path = data_dir / "demo-model-L2-D128.pth"
+    if not path.exists():
+        from engine.demo import write_demo_model
+        print(f"gaggle: no --model given; writing a demo model with RANDOM weights to {path} "
+              "(its output is gibberish until you pass a real RWKV-7 model)", file=sys.stderr)
+        tmp = path.with_suffix(".tmp")
+        write_demo_model(tmp, layers=2, width=128, vocab=65536, seed=0)
+        tmp.rename(path)
+    else:
+        print(f"gaggle: no --model given; using the demo model with random weights at {path}", file=sys.stderr)
+    return path
+
+
+def use_triton_cache(data_dir: Path) -> None:
+    """Compiled kernels live under the data dir, so a restarted worker loads instead of compiling (set before
+    Triton is imported; an explicit TRITON_CACHE_DIR wins)."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str((data_dir / "triton-cache").resolve()))
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # autotuning results too
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
