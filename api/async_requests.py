@@ -145,7 +145,7 @@ class AsyncRequests:
         deadline = loop.time() + c.REQUEST_RECORD_TTL_S
         next_touch = loop.time() + c.WATCH_TTL_S / 3
         try:
-            async for msg in self.service.pump(inbox, {request_id}, deadline):
+            async for msg in self.service.replies.pump(inbox, {request_id}, deadline):
                 if loop.time() >= next_touch:  # keep workers publishing while this stream is open
                     next_touch = loop.time() + c.WATCH_TTL_S / 3
                     await self.broker.touch_watch(request_id)

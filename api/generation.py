@@ -1,14 +1,17 @@
-"""Admission, submission and waiting: the path of a sync completion through Redis.
+"""Admission, submission and the answer: the path of a sync completion through Redis.
 
     admit (queue depth, live workers) → subscribe + wait for the confirmation → record + XADD
-    → stream deltas as SSE, or wait for the final result (and the client's disconnect)
+    → stream deltas as SSE (``api.streaming``), or wait for the final result (and the client's disconnect)
+
+Waiting itself (messages until a deadline, cancelling, unrouting) is ``api.replies``', which the SSE sessions
+share: they are given it, they do not reach back into this service.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -20,7 +23,7 @@ from api.formatting import Formatter
 from api.jobs import Job
 from api.metrics import Metrics
 from api.pubsub import SubscribeTimeout
-from api.pump import KEEPALIVE, pump
+from api.replies import Replies
 from api.responses import SSE_DONE, JSONBytesResponse, sse_event
 from api.settings import Settings
 from api.streaming import SSE_HEADERS, EventStream, StreamSession
@@ -42,6 +45,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.settings = settings
         self.metrics = metrics
+        self.replies = Replies(broker, settings)
 
     # -- admission and submission ------------------------------------------------------------
 
@@ -100,19 +104,6 @@ class GenerationService:
                                               "prompt_tokens": len(req.prompt_token_ids), "n": req.n,
                                               "stream": req.stream, "record_text": req.record_text})
 
-    async def cancel(self, request_ids: list[str], reason: str) -> None:
-        """Cancel now (the caller is not itself being cancelled); failures are logged, not raised."""
-        try:
-            await self.broker.cancel(request_ids)
-        except (RedisError, OSError) as e:
-            log.error("could not cancel", extra={"request_ids": request_ids, "reason": reason, "error": str(e)})
-            return
-        for rid in request_ids:
-            log.info("request cancelled", extra={"request_id": rid, "reason": reason})
-
-    async def release(self, job: Job, inbox: asyncio.Queue) -> None:
-        self.broker.channels.unroute(job.request_ids, inbox)
-
     # -- sync requests -----------------------------------------------------------------------
 
     async def respond(self, job: Job, request: Request, session: Callable[..., StreamSession] = StreamSession,
@@ -123,13 +114,13 @@ class GenerationService:
         inbox: asyncio.Queue = asyncio.Queue()
         await self.submit(job, inbox)
         if job.stream and not job.shape.score_only:
-            return EventStream(session(self, job, inbox))
+            return EventStream(session(self.replies, job, inbox, self.tokenizer, self.metrics))
         try:
             ordered = await self._complete(job, inbox, request)
         except ClientDisconnected:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         finally:
-            await self.release(job, inbox)
+            await self.replies.release(job, inbox)
         if render is not None:
             return JSONBytesResponse(render(ordered))
         body = Formatter(job.shape, self.tokenizer).response(ordered, job.prompt_tokens)
@@ -141,17 +132,18 @@ class GenerationService:
     async def _complete(self, job: Job, inbox: asyncio.Queue, request: Request) -> list[c.Result]:
         """The results in prompt order; raises ClientDisconnected (after cancelling) if the client leaves."""
         pending = set(job.request_ids)
+        replies = self.replies
         try:
-            results = await until_disconnected(request, self.collect(inbox, pending, self.deadline(job)))
+            results = await until_disconnected(request, replies.collect(inbox, pending, replies.deadline(job)))
         except ClientDisconnected:
-            self.broker.cancel_soon(sorted(pending), "client disconnected")
+            replies.cancel_soon(sorted(pending), "client disconnected")
             raise
         except TimeoutError:
-            await self.cancel(sorted(pending), "request timeout")
-            raise OpenAIError(504, f"no result within the request timeout ({self.settings.request_timeout_s:g} s); "
+            await replies.cancel(sorted(pending), "request timeout")
+            raise OpenAIError(504, f"no result within the request timeout ({replies.timeout_s:g} s); "
                                    "the request was cancelled", code="timeout") from None
         except BaseException:  # server shutdown: do not leave work behind for nobody
-            self.broker.cancel_soon(sorted(pending), "server shutting down")
+            replies.cancel_soon(sorted(pending), "server shutting down")
             raise
         ordered = [results[rid] for rid in job.request_ids]
         for result in ordered:
@@ -160,20 +152,6 @@ class GenerationService:
             raise_for_status(result)
             self.metrics.observe_result(job.endpoint, result)
         return ordered
-
-    def deadline(self, job: Job) -> float:
-        return job.started + self.settings.request_timeout_s  # loop.time() is time.monotonic() too
-
-    async def collect(self, inbox: asyncio.Queue, pending: set[str], deadline: float) -> dict[str, c.Result]:
-        results = {}
-        async for msg in self.pump(inbox, pending, deadline):
-            if msg is not KEEPALIVE and msg["type"] == "final":
-                results[msg["id"]] = c.Result.from_dict(msg["result"])
-        return results
-
-    def pump(self, inbox: asyncio.Queue, pending: set[str], deadline: float) -> AsyncIterator:
-        return pump(self.broker, inbox, pending, deadline, keepalive_s=self.settings.keepalive_s,
-                    result_poll_s=self.settings.result_poll_s)
 
 
 def raise_for_status(result: c.Result) -> None:

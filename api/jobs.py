@@ -9,12 +9,13 @@ from api.errors import bad_request
 from api.formatting import Shape
 from api.limits import Limits
 from api.prompts import Prompt, completion_prompts, encode, fit_lengths, render_chat
-from api.sampling import chat_params, completion_params
+from api.sampling import Draft, chat_draft, completion_draft, final_params
 from api.schemas import ChatCompletionRequest, CompletionRequest
 from api import tools
 from api.settings import Settings
-from api.structured import constraint_of
+from api.structured import Constraint, constraint_of
 from api.unsupported import CHAT_RULES, COMPLETION_RULES, MESSAGE_RULES, check_fields
+from engine.params import SamplingParams
 from engine.tokenizer import WorldTokenizer
 from worker import contract as c
 
@@ -69,15 +70,14 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
     if score_only and not body.echo:
         raise bad_request("max_tokens 0 scores the prompt alone: it needs echo true (and logprobs for the "
                           "scores)", "max_tokens")
-    params = completion_params(body, limits.vocab_size)
-    _constrain(params, constraint_of(body))
-    if body.echo and body.logprobs is not None:  # the echoed prompt comes with its logprobs (OpenAI)
-        params["prompt_logprobs"] = body.logprobs
-    max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit=body.max_tokens is not None)
+    draft = completion_draft(body)
+    _constrain(draft, constraint_of(body))
+    max_tokens = fit_lengths(prompts, draft.max_tokens, limits, explicit=body.max_tokens is not None)
+    params = final_params(draft, max_tokens, limits.vocab_size)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
                   include_usage=_include_usage(body), score_only=score_only)
-    return _job(shape, tenant, prompts, params, max_tokens, bool(body.stream), is_async, settings)
+    return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
 
 
 async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
@@ -96,23 +96,26 @@ async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings,
                           "unsupported_field")
     text = render_chat(body.messages, settings, add_generation_prompt, tool_plan.prompt)
     prompts = [Prompt(await encode(tokenizer, text), text)]
-    params = chat_params(body, settings.default_chat_max_tokens, settings.chat_default_stop, limits.vocab_size)
-    _constrain(params, tool_plan.constraint or constraint)
+    draft = chat_draft(body, settings.default_chat_max_tokens, settings.chat_default_stop)
+    if tool_plan.constraint is not None:
+        constraint = Constraint(tool_plan.constraint, "tools")
+    _constrain(draft, constraint)
     explicit = body.max_completion_tokens is not None or body.max_tokens is not None
-    max_tokens = fit_lengths(prompts, params["max_tokens"], limits, explicit)
+    max_tokens = fit_lengths(prompts, draft.max_tokens, limits, explicit)
+    params = final_params(draft, max_tokens, limits.vocab_size)
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
                   model=settings.model_name, n=n, include_usage=_include_usage(body), tools=tool_plan.parse)
-    return _job(shape, tenant, prompts, params, max_tokens, bool(body.stream), is_async, settings)
+    return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
 
 
-def _constrain(params: dict, constraint: dict | None) -> None:
-    if constraint is not None:  # free requests carry no key: their entries stay as they were
-        params["structured"] = constraint
+def _constrain(draft: Draft, constraint: Constraint | None) -> None:
+    if constraint is not None:
+        draft.set("structured", constraint.spec, constraint.param)
 
 
 def _check_n(n: int | None, limits: Limits) -> int:
-    n = n or 1
-    if n > limits.max_n:
+    n = 1 if n is None else n
+    if not 1 <= n <= limits.max_n:
         raise bad_request(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     return n
 
@@ -145,15 +148,16 @@ def _include_usage(body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def _job(shape: Shape, tenant: str, prompts: list[Prompt], params: dict, max_tokens: list[int], stream: bool,
+def _job(shape: Shape, tenant: str, prompts: list[Prompt], params: list[SamplingParams], stream: bool,
          is_async: bool, settings: Settings) -> Job:
+    """The queued requests, one per prompt, each with its final (checked) parameters."""
     created = time.time()
     ids = [shape.id] if len(prompts) == 1 else [f"{shape.id}-{i}" for i in range(len(prompts))]
     deadline = 0.0 if is_async else created + settings.request_timeout_s + DEADLINE_GRACE_S
     requests = [
-        c.QueuedRequest(id=rid, prompt_token_ids=p.token_ids, params={**params, "max_tokens": m}, n=shape.n,
+        c.QueuedRequest(id=rid, prompt_token_ids=p.token_ids, params=sp.to_wire(), n=shape.n,
                         endpoint=shape.endpoint, model=shape.model, tenant=tenant,
                         stream=stream or is_async, record_text=is_async, created=created, deadline=deadline,
                         meta=_meta(shape, p))
-        for rid, p, m in zip(ids, prompts, max_tokens)]
+        for rid, p, sp in zip(ids, prompts, params)]
     return Job(shape, tenant, prompts, requests, stream=stream and not is_async)

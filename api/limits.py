@@ -2,7 +2,8 @@
 
 Workers report their engine's limits in their heartbeats. Any worker may take any request from the
 stream, so the smallest reported value is the one a request must meet; checking it at admission
-turns what would be a worker's refusal (a failed result) into a 400 before anything is queued.
+turns what would be a worker's refusal (a failed result) into a 400 before anything is queued. Limits on the
+sampling parameters do not depend on the workers: they are in ``engine.params``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Limits:
     max_prompt_tokens: int
     max_model_len: int  # prompt + max_tokens
     vocab_size: int  # token ids in prompts lie below this
-    max_n: int  # choices per prompt: each takes a slot of one worker
+    max_n: int  # choices per prompt: each takes a slot of one worker (and a queue entry holds at most c.MAX_N)
 
     @classmethod
     def of(cls, settings: Settings, workers: Iterable[c.Heartbeat] = ()) -> "Limits":
@@ -38,7 +39,7 @@ class Limits:
         return cls(max_prompt_tokens=settings.max_prompt_tokens,
                    max_model_len=tightest(settings.max_model_len, (w.max_model_len for w in workers)),
                    vocab_size=tightest(VOCAB_SIZE, (w.vocab_size for w in workers)),
-                   max_n=tightest(settings.max_n, (w.num_slots for w in workers)))
+                   max_n=tightest(min(settings.max_n, c.MAX_N), (w.num_slots for w in workers)))
 
 
 async def current_limits(broker: Broker, settings: Settings) -> Limits:

@@ -15,10 +15,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from api.errors import bad_request
+from api.errors import OpenAIError, bad_request
 from api.formatting import FINISH_ABORT
 from api.responses import sse_event
-from api.schemas import INT32, ChatCompletionRequest, FunctionDefinition, Text, _Body
+from api.schemas import ChatCompletionRequest, FunctionDefinition, Text, _Body, ranged
 from api.streaming import StreamSession
 from api.tools import split_calls
 from api.unsupported import Rule, check_fields, only, refuse
@@ -80,9 +80,9 @@ class ResponsesRequest(_Body):
     model: Text | None = None
     input: Text | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = None
-    max_output_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_output_tokens: Annotated[int, ranged("max_tokens")] | None = None  # ranges: checked as a chat's
+    temperature: Annotated[float, ranged("temperature")] | None = None
+    top_p: Annotated[float, ranged("top_p")] | None = None
     stream: bool | None = False
     text: TextOptions | None = None
     tools: list[FunctionTool] | None = None
@@ -92,7 +92,7 @@ class ResponsesRequest(_Body):
     user: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # vLLM's extension, as in chat
+    seed: Annotated[int, ranged("seed")] | None = None  # vLLM's extension, as in chat
     # defined by OpenAI, not implemented (api.unsupported)
     store: Any = None
     previous_response_id: Any = None
@@ -149,6 +149,18 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
     except ValueError as e:
         raise bad_request(f"the request cannot be answered as a chat: {e}", "input") from None
+
+
+RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+                    "response_format.json_schema": "text.format",
+                    "response_format.json_schema.schema": "text.format.schema"}
+
+
+def named_for_responses(error: OpenAIError) -> OpenAIError:
+    """A refusal of the chat request that answers a response (its limits are checked there) names the field the
+    client wrote."""
+    error.param = RESPONSES_PARAMS.get(error.param, error.param)
+    return error
 
 
 def _messages(body: ResponsesRequest) -> list[dict]:
@@ -255,8 +267,8 @@ class ResponseStream(StreamSession):
     """The chat stream's chunks, framed as ``response.*`` events: created and in_progress first, the message's
     text as output_text deltas, each tool call as a function_call item, completed (or incomplete) last."""
 
-    def __init__(self, service, job, inbox, view: ResponseView):
-        super().__init__(service, job, inbox)
+    def __init__(self, replies, job, inbox, tokenizer, metrics, view: ResponseView):
+        super().__init__(replies, job, inbox, tokenizer, metrics)
         self.view = view
         self.sequence = 0
         self.output: list[dict] = []  # finished items

@@ -2,8 +2,8 @@
 does not implement are declared loosely (``Any``) so that ``api.unsupported`` can answer them with a 400 naming
 them; unknown fields are kept aside (``model_extra``) to be logged once, then ignored.
 
-Ranges here keep values sane and JSON-safe and document them in the OpenAPI schema; the engine's
-``SamplingParams.validate`` then has the last word (cross-field rules, vocabulary).
+Types are checked here; the sampling fields' ranges only documented (``documented``): they are checked once, with
+every other limit, when the request's SamplingParams is built (``api.sampling``, limits in ``engine.params``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from engine.params import MAX_LOGPROBS
+from engine.params import LOGIT_BIAS, MAX_TOKEN_ID, RANGES, TOKEN_IDS, Range
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-INT32 = 2**31 - 1
+INT32 = MAX_TOKEN_ID
 
 
 def _scrub(text: str) -> str:
@@ -26,8 +27,16 @@ def _scrub(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_scrub)]
-TokenId = Annotated[int, Field(ge=0, le=INT32)]  # vocabulary bound checked with the tokenizer
-Count = Annotated[int, Field(ge=0, le=INT32)]
+TokenId = Annotated[int, Field(ge=0, le=INT32)]  # a prompt's: vocabulary bound checked with the tokenizer
+
+
+def documented(limit: Range) -> FieldInfo:
+    """The OpenAPI schema's bounds of a field that SamplingParams checks (not checked here: once, there)."""
+    return Field(json_schema_extra=limit.json_schema())
+
+
+def ranged(name: str) -> FieldInfo:
+    return documented(RANGES[name])
 
 
 class _Body(BaseModel):
@@ -64,26 +73,26 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
     model: Text | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = 1
+    n: int | None = 1  # up to the live workers' slots (api.limits)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_tokens: Annotated[int, ranged("max_tokens")] | None = None
+    temperature: Annotated[float, ranged("temperature")] | None = None
+    top_p: Annotated[float, ranged("top_p")] | None = None
     stop: Text | list[Text] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    presence_penalty: Annotated[float, ranged("presence_penalty")] | None = None
+    frequency_penalty: Annotated[float, ranged("frequency_penalty")] | None = None
+    logit_bias: dict[str, Annotated[float, documented(LOGIT_BIAS)]] | None = None
+    seed: Annotated[int, ranged("seed")] | None = None
     user: Text | None = None
     # vLLM extensions
-    top_k: Annotated[int, Field(ge=-1, le=INT32)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    min_tokens: Count | None = None
+    top_k: Annotated[int, ranged("top_k")] | None = None
+    min_p: Annotated[float, ranged("min_p")] | None = None
+    repetition_penalty: Annotated[float, ranged("repetition_penalty")] | None = None
+    min_tokens: Annotated[int, ranged("min_tokens")] | None = None
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[Annotated[int, documented(TOKEN_IDS)]] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # hints that cannot change an answer: accepted (README, "Fields")
@@ -98,10 +107,10 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     prompt: (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=0, le=INT32)] | None = None  # 0: score the prompt (echo) only
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: score the prompt (echo) only; else as ranged
+    logprobs: Annotated[int, ranged("logprobs")] | None = None
     echo: bool | None = False
-    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    best_of: int | None = None  # must equal n
     suffix: Any = None
 
 
@@ -165,9 +174,9 @@ class NamedToolChoice(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
+    max_completion_tokens: Annotated[int, ranged("max_tokens")] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, ranged("logprobs")] | None = None
     add_generation_prompt: bool | None = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

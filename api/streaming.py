@@ -1,11 +1,13 @@
-"""SSE for sync streaming requests: worker deltas → OpenAI chunks; a client that leaves aborts its request."""
+"""SSE for sync streaming requests: worker deltas → OpenAI chunks; a client that leaves aborts its request.
+
+A session is given what it needs (the job's replies, the tokenizer, the metrics), not the service that made it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -13,13 +15,13 @@ from starlette.types import Receive, Scope, Send
 
 from api.errors import error_body
 from api.formatting import FINISH_ABORT, Formatter
-from api.pump import KEEPALIVE
 from api.jobs import Job
+from api.metrics import Metrics
+from api.pump import KEEPALIVE
+from api.replies import Replies
 from api.responses import SSE_DONE, SSE_KEEPALIVE, sse_event
+from engine.tokenizer import WorldTokenizer
 from worker import contract as c
-
-if TYPE_CHECKING:
-    from api.generation import GenerationService
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +47,22 @@ class EventStream(StreamingResponse):
 class StreamSession:
     """One streaming request: its inbox of worker messages, what was sent, and how it ends."""
 
-    def __init__(self, service: "GenerationService", job: Job, inbox: asyncio.Queue):
-        self.service = service
+    def __init__(self, replies: Replies, job: Job, inbox: asyncio.Queue, tokenizer: WorldTokenizer,
+                 metrics: Metrics):
+        self.replies = replies
+        self.metrics = metrics
         self.job = job
         self.inbox = inbox
         self.pending = set(job.request_ids)  # no final yet: cancelled if the stream ends early
         self.results: dict[str, c.Result] = {}
-        self.formatter = Formatter(job.shape, service.tokenizer)
+        self.formatter = Formatter(job.shape, tokenizer)
         self.sent: dict[int, str] = {}  # text sent per choice index
         self.tokens_sent: dict[int, int] = {}  # tokens passed on per choice index (deltas of a re-run skip them)
         self.finished: set[int] = set()  # choice indices whose finish_reason was sent
         self.gapped: set[int] = set()  # choices that missed deltas: the rest of their text comes from the result
         self._last_delta: dict[str, float] = {}
         self._first_token_seen = False
-        self._itl = service.metrics.itl.labels(job.endpoint)  # observed per delta: the labelled child looked up once
+        self._itl = metrics.itl.labels(job.endpoint)  # observed per delta: the labelled child looked up once
         self._closed = False
         # echo with logprobs: a choice's echo waits for its prompt logprobs (they come with its first delta)
         self.echo_pending: dict[int, str] = {}
@@ -69,7 +73,7 @@ class StreamSession:
         for frame in self._echo():
             yield frame
         try:
-            async for msg in self.service.pump(self.inbox, self.pending, self.service.deadline(self.job)):
+            async for msg in self.replies.pump(self.inbox, self.pending, self.replies.deadline(self.job)):
                 if msg is KEEPALIVE:
                     yield SSE_KEEPALIVE
                 elif msg["type"] == "delta":
@@ -86,11 +90,11 @@ class StreamSession:
                             yield frame
                         return
         except TimeoutError:
-            await self.service.cancel(sorted(self.pending), "request timeout")
+            await self.replies.cancel(sorted(self.pending), "request timeout")
             self.pending.clear()
             for frame in self.failed(error_body(f"no result within the request timeout "
-                                                f"({self.service.settings.request_timeout_s:g} s); the request was "
-                                                "cancelled", "timeout", code="timeout")):
+                                                f"({self.replies.timeout_s:g} s); the request was cancelled",
+                                                "timeout", code="timeout")):
                 yield frame
             return
         for frame in self.completed([self.results[rid] for rid in self.job.request_ids]):
@@ -116,8 +120,8 @@ class StreamSession:
             return
         self._closed = True
         if self.pending:
-            self.service.broker.cancel_soon(sorted(self.pending), "stream ended before the result")
-        await self.service.release(self.job, self.inbox)
+            self.replies.cancel_soon(sorted(self.pending), "stream ended before the result")
+        await self.replies.release(self.job, self.inbox)
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -176,7 +180,7 @@ class StreamSession:
         return frames
 
     def _observe_timing(self, rid: str, now: float) -> None:
-        metrics = self.service.metrics
+        metrics = self.metrics
         if not self._first_token_seen:
             self._first_token_seen = True
             metrics.ttft.labels(self.job.endpoint).observe(now - self.job.started)
@@ -190,7 +194,7 @@ class StreamSession:
         """Keep the result; the error object to send if it failed or expired."""
         result = c.Result.from_dict(msg["result"])
         self.results[msg["id"]] = result
-        metrics = self.service.metrics
+        metrics = self.metrics
         metrics.generation_tokens.labels(self.job.endpoint).inc(result.completion_tokens)
         metrics.e2e.labels(self.job.endpoint).observe(asyncio.get_running_loop().time() - self.job.started)
         log.info("request finished", extra={"request_id": result.id, "status": result.status,

@@ -6,6 +6,7 @@ worker, which refuses a request it cannot compile as invalid (a 400 too, or a fa
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import jsonschema
 import orjson
@@ -16,7 +17,13 @@ from api.schemas import SamplingFields
 ANY_OBJECT = {"type": "json_object"}
 
 
-def constraint_of(body: SamplingFields) -> dict | None:
+@dataclass(frozen=True)
+class Constraint:
+    spec: dict  # SamplingParams.structured
+    param: str  # the request's field it came from: a 400 about it names that field
+
+
+def constraint_of(body: SamplingFields) -> Constraint | None:
     """The request's constraint, or None for free text; 400 naming the field that is wrong."""
     fmt = body.response_format
     chosen = body.structured_outputs
@@ -29,20 +36,21 @@ def constraint_of(body: SamplingFields) -> dict | None:
     return from_format or from_vllm
 
 
-def _from_response_format(fmt) -> dict:
+def _from_response_format(fmt) -> Constraint:
     if fmt.type == "json_object":
-        return ANY_OBJECT
+        return Constraint(ANY_OBJECT, "response_format")
     if fmt.json_schema is None:
         raise bad_request("response_format of type json_schema needs a json_schema object",
                           "response_format.json_schema")
     schema = fmt.json_schema.schema_
     if schema is None:
-        return ANY_OBJECT
-    check_schema(schema, "response_format.json_schema.schema")
-    return {"type": "json_schema", "value": schema}
+        return Constraint(ANY_OBJECT, "response_format.json_schema")
+    param = "response_format.json_schema.schema"
+    check_schema(schema, param)
+    return Constraint({"type": "json_schema", "value": schema}, param)
 
 
-def _from_structured_outputs(so) -> dict:
+def _from_structured_outputs(so) -> Constraint:
     given = {name: value for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                               ("grammar", so.grammar), ("json_object", so.json_object or None))
              if value is not None}
@@ -51,6 +59,10 @@ def _from_structured_outputs(so) -> dict:
                           f"{', '.join(given) or 'none'}", "structured_outputs")
     (name, value), = given.items()
     param = f"structured_outputs.{name}"
+    return Constraint(_structured_spec(name, value, param), param)
+
+
+def _structured_spec(name: str, value, param: str) -> dict:
     if name == "json":
         schema = _parsed_json(value, param) if isinstance(value, str) else value
         check_schema(schema, param)

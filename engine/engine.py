@@ -107,7 +107,8 @@ class LLMEngine:
         return request_id in self._sequences
 
     def validate(self, request: Request) -> None:
-        """Raise ValueError, naming the field and the limit, for a request the engine cannot run."""
+        """Raise ValueError, naming the field and the limit, for a request the engine cannot run: its own limits
+        (slots, vocabulary, max_model_len); the parameters' ranges were checked when they were built."""
         vocab = self.runner.vocab_size
         if request.request_id in self._sequences:
             raise ValueError(f"request id {request.request_id!r} is already running")
@@ -121,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                              f"({request.params.max_tokens}) = {total} exceeds max_model_len "
                              f"({self.config.max_model_len})")
-        request.params.validate(vocab_size=vocab)
+        request.params.check_vocabulary(vocab)
 
     @property
     def grammars(self):

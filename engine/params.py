@@ -1,21 +1,80 @@
-"""Per-request generation parameters (plain Python, no torch).
+"""Per-request generation parameters and every limit on them (plain Python, no torch: ``api/`` imports it).
 
-Names and meanings follow vLLM's ``SamplingParams`` where they overlap, and the
-OpenAI API for the penalties (additive presence / frequency penalties).
+Each limit is written once, here, and checked by one function, ``SamplingParams.validate``, which building a
+``SamplingParams`` runs. The API builds one when a request is final (max_tokens fitted to the context) and
+answers a ``ParamError`` with a 400 naming the field; a worker builds one from an untrusted queue entry with
+``from_wire`` (the entry's types, then the same validation); an engine checks only its own limits (its
+vocabulary: ``check_vocabulary``; lengths; slots).
+
+Names and meanings follow vLLM's ``SamplingParams`` where they overlap, and the OpenAI API for the penalties
+(additive presence / frequency penalties).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+# -- limits ------------------------------------------------------------------------------------------
+
+MAX_TOKEN_ID = 2**31 - 1  # token ids and token counts fit an int32
+MAX_SEED = 2**63 - 1  # a seed fits an int64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_BYTES = 256 * 1024  # what one constraint may weigh on the wire
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
+
+@dataclass(frozen=True)
+class Range:
+    """The values a field may take: ``low`` to ``high``, ``low`` itself excluded when ``low_open``."""
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (self.low < value if self.low_open else self.low <= value) and value <= self.high
+
+    def __str__(self) -> str:
+        if self.low_open:
+            return f"in ({_num(self.low)}, {_num(self.high)}]"
+        return f"between {_num(self.low)} and {_num(self.high)}"
+
+    def json_schema(self) -> dict:
+        """The bounds as OpenAPI documents them (the API's schema shows them; validate checks them)."""
+        return {"exclusiveMinimum" if self.low_open else "minimum": self.low, "maximum": self.high}
+
+
+RANGES = {  # fields with a fixed range (min_tokens is bounded by max_tokens as well)
+    "max_tokens": Range(1, MAX_TOKEN_ID),
+    "min_tokens": Range(0, MAX_TOKEN_ID),
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(-1, MAX_TOKEN_ID),  # -1 and 0: the whole vocabulary
+    "min_p": Range(0.0, 1.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 2.0, low_open=True),
+    "seed": Range(-MAX_SEED - 1, MAX_SEED),
+    "logprobs": Range(0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS),
+}
+LOGIT_BIAS = Range(-100.0, 100.0)  # each value of logit_bias
+TOKEN_IDS = Range(0, MAX_TOKEN_ID)  # logit_bias keys and stop_token_ids before a vocabulary bounds them
+
+
+class ParamError(ValueError):
+    """A parameter outside its limit; ``field`` names it (the API's 400 sets ``param`` from it)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+# -- the parameters ----------------------------------------------------------------------------------
 
 @dataclass
 class SamplingParams:
@@ -47,40 +106,41 @@ class SamplingParams:
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field and its limit."""
-        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(0 <= self.min_tokens <= self.max_tokens,
+        """Raise ParamError naming the field and its limit (building runs it); with ``vocab_size``, the token
+        ids against that vocabulary too (``check_vocabulary``)."""
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            _check(value is None or value in allowed, name, f"{name} must be {allowed}, got {value}")
+        _check(self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check(0.0 <= self.temperature <= 2.0, f"temperature must be between 0 and 2, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be between 0 and 1, got {self.min_p}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be between -2 and 2, got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}")
-        _check(0.0 < self.repetition_penalty <= 2.0,
-               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-               f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-               f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
-        _check(len(self.stop) <= MAX_STOP_STRINGS,
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
                f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
-            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS,
+            _check(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS, "stop",
                    f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for token_id in self.stop_token_ids:
+            _check(token_id in TOKEN_IDS, "stop_token_ids", f"each stop_token_ids entry must be {TOKEN_IDS}, "
+                                                            f"got {token_id}")
         for token_id, bias in self.logit_bias.items():
-            _check(-100.0 <= bias <= 100.0, f"logit_bias values must be between -100 and 100, got {bias}")
-            if vocab_size is not None:
-                _check(0 <= token_id < vocab_size,
-                       f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+            _check(token_id in TOKEN_IDS, "logit_bias", f"logit_bias keys must be token ids {TOKEN_IDS}, "
+                                                        f"got {token_id}")
+            _check(bias in LOGIT_BIAS, "logit_bias", f"logit_bias values must be {LOGIT_BIAS}, got {bias}")
         if self.structured is not None:
             validate_structured(self.structured)
         if vocab_size is not None:
-            for token_id in self.stop_token_ids:
-                _check(0 <= token_id < vocab_size,
-                       f"stop_token_ids entry {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+            self.check_vocabulary(vocab_size)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids (logit_bias keys, stop_token_ids) against a vocabulary: the API checks the live
+        workers' smallest, an engine its own model's."""
+        for token_id in self.logit_bias:
+            _check(token_id < vocab_size, "logit_bias",
+                   f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})")
+        for token_id in self.stop_token_ids:
+            _check(token_id < vocab_size, "stop_token_ids",
+                   f"stop_token_ids entry {token_id} is outside the vocabulary (0..{vocab_size - 1})")
 
     @property
     def is_greedy(self) -> bool:
@@ -92,30 +152,49 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {f.name: getattr(self, f.name) for f in _FIELDS}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+    def to_wire(self) -> dict:
+        """The parameters as JSON for a queue entry (``from_wire`` reads them back): logit_bias keys as strings,
+        fields that are None left out."""
+        wire = {f.name: getattr(self, f.name) for f in _FIELDS if getattr(self, f.name) is not None}
+        wire["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return wire
 
     @classmethod
     def from_wire(cls, d: object) -> "SamplingParams":
-        """Parameters as they travel in JSON (a queue entry), type-checked field by field before anything is
-        built from them: ints are ints (not floats, not bools), numbers are finite, lists hold what they
-        should. Unknown fields are ignored (a newer sender). Raises ValueError naming the field."""
-        _check(isinstance(d, dict), f"params must be an object, got {type(d).__name__}")
+        """Parameters as they travel in JSON (a queue entry): each field's type checked before anything is
+        built from them (ints are ints, not floats or bools; numbers are finite; lists hold what they should),
+        then built, which validates them. Unknown fields are ignored (a newer sender). Raises ValueError
+        naming the field."""
+        _check(isinstance(d, dict), "params", f"params must be an object, got {type(d).__name__}")
         typed = {}
         for name, value in d.items():
-            kind = _WIRE_KINDS.get(name)
+            kind = _WIRE_TYPES.get(name)
             if kind is not None:
                 typed[name] = kind(name, value)
         return cls(**typed)
 
 
-def _check(ok: bool, message: str) -> None:
+_FIELDS = fields(SamplingParams)
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ParamError(field_name, message)
+
+
+_ID_DIGITS = len(str(MAX_TOKEN_ID))
+
+
+def token_id_of(key: str) -> int | None:
+    """A token id written in digits, as a JSON object's keys carry them (logit_bias), or None: ASCII digits
+    only ("²".isdigit() too), few enough for an int32 to be possible."""
+    return int(key) if key.isascii() and key.isdigit() and len(key) <= _ID_DIGITS else None
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def spec_key(spec: dict) -> str:
@@ -124,31 +203,27 @@ def spec_key(spec: dict) -> str:
 
 
 def validate_structured(spec: object) -> None:
-    """A constraint's shape (cheap, no xgrammar); compiling it says the rest. ValueError naming the problem."""
-    _check(isinstance(spec, dict) and spec.get("type") in STRUCTURED_KINDS,
+    """A constraint's shape and size (cheap, no xgrammar); compiling it says the rest. ParamError naming the
+    problem."""
+    _check(isinstance(spec, dict) and spec.get("type") in STRUCTURED_KINDS, "structured",
            f"structured must be an object whose type is one of {', '.join(STRUCTURED_KINDS)}")
     kind, value = spec["type"], spec.get("value")
     if kind == "choice":
         _check(isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value),
-               "structured choice needs a non-empty list of non-empty strings")
+               "structured", "structured choice needs a non-empty list of non-empty strings")
     elif kind in ("json_schema", "structural_tag"):
-        _check(isinstance(value, (dict, str)), f"structured {kind} needs an object")
+        _check(isinstance(value, (dict, str)), "structured", f"structured {kind} needs an object")
     elif kind != "json_object":
-        _check(isinstance(value, str) and bool(value), f"structured {kind} needs a non-empty string")
-    _check(len(spec_key(spec)) <= MAX_STRUCTURED_BYTES,
-           f"structured {kind} is larger than {MAX_STRUCTURED_BYTES} bytes")
+        _check(isinstance(value, str) and bool(value), "structured", f"structured {kind} needs a non-empty string")
+    size = len(spec_key(spec))
+    _check(size <= MAX_STRUCTURED_BYTES, "structured",
+           f"the {kind} constraint is {size} bytes as JSON, more than the limit of {MAX_STRUCTURED_BYTES} bytes")
 
 
-# -- wire types (see SamplingParams.from_wire) -----------------------------------------------------
+# -- wire types (see SamplingParams.from_wire): types only, the limits are validate's ----------------------
 
-MAX_WIRE_INT = 2**63 - 1
-MAX_STOP_TOKEN_IDS = 1024
-MAX_TOKEN_ID = 2**31 - 1
-
-
-def _int(name: str, value: object, low: int = -MAX_WIRE_INT - 1, high: int = MAX_WIRE_INT) -> int:
-    _check(type(value) is int, f"{name} must be an integer, got {type(value).__name__}")
-    _check(low <= value <= high, f"{name} must be between {low} and {high}, got {value}")
+def _int(name: str, value: object) -> int:
+    _check(type(value) is int, name, f"{name} must be an integer, got {type(value).__name__}")
     return value
 
 
@@ -157,51 +232,46 @@ def _optional_int(name: str, value: object) -> int | None:
 
 
 def _number(name: str, value: object) -> float:
-    _check(type(value) in (int, float), f"{name} must be a number, got {type(value).__name__}")
-    _check(math.isfinite(value), f"{name} must be finite, got {value}")
+    _check(type(value) in (int, float), name, f"{name} must be a number, got {type(value).__name__}")
+    _check(math.isfinite(value), name, f"{name} must be finite, got {value}")
     return float(value)
 
 
 def _bool(name: str, value: object) -> bool:
-    _check(type(value) is bool, f"{name} must be true or false, got {type(value).__name__}")
+    _check(type(value) is bool, name, f"{name} must be true or false, got {type(value).__name__}")
     return value
 
 
 def _token_ids(name: str, value: object) -> list[int]:
-    _check(type(value) is list, f"{name} must be a list of token ids, got {type(value).__name__}")
-    _check(len(value) <= MAX_STOP_TOKEN_IDS, f"{name} may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
-    return [_int(f"each {name} entry", t, 0, MAX_TOKEN_ID) for t in value]
+    _check(type(value) is list and all(type(t) is int for t in value), name, f"{name} must be a list of token ids")
+    return value
 
 
 def _strings(name: str, value: object) -> list[str]:
     if type(value) is str:
         value = [value]
-    _check(type(value) is list and all(type(s) is str for s in value), f"{name} must be a list of strings")
+    _check(type(value) is list and all(type(s) is str for s in value), name, f"{name} must be a list of strings")
     return value
 
 
 def _logit_bias(name: str, value: object) -> dict[int, float]:
-    _check(type(value) is dict, f"{name} must be an object mapping token ids to numbers")
+    _check(type(value) is dict, name, f"{name} must be an object mapping token ids to numbers")
     out = {}
     for key, bias in value.items():
-        _check(type(key) is str and key.isascii() and key.isdigit() and len(key) <= 10,
-               f"{name} keys must be token ids written in digits, got {key!r}")
-        out[int(key)] = _number(f"{name}[{key}]", bias)
+        token_id = token_id_of(key) if type(key) is str else None
+        _check(token_id is not None, name, f"{name} keys must be token ids written in digits, got {key!r}")
+        out[token_id] = _number(f"{name}[{key}]", bias)
     return out
 
 
-def _structured(name: str, value: object) -> dict:
-    validate_structured(value)
+def _structured(name: str, value: object) -> dict | None:
+    _check(value is None or type(value) is dict, name, f"{name} must be an object")
     return value
 
 
-_WIRE_KINDS = {
-    "max_tokens": lambda n, v: _int(n, v, 1, MAX_TOKEN_ID),
-    "min_tokens": lambda n, v: _int(n, v, 0, MAX_TOKEN_ID),
-    "top_k": lambda n, v: _int(n, v, -1, MAX_TOKEN_ID),
-    "seed": _optional_int,
-    "logprobs": _optional_int,
-    "prompt_logprobs": _optional_int,
+_WIRE_TYPES = {
+    "max_tokens": _int, "min_tokens": _int, "top_k": _int,
+    "seed": _optional_int, "logprobs": _optional_int, "prompt_logprobs": _optional_int,
     "temperature": _number, "top_p": _number, "min_p": _number, "presence_penalty": _number,
     "frequency_penalty": _number, "repetition_penalty": _number,
     "logit_bias": _logit_bias,
@@ -209,5 +279,5 @@ _WIRE_KINDS = {
     "stop_token_ids": _token_ids,
     "include_stop_str_in_output": _bool,
     "ignore_eos": _bool,
-    "structured": lambda n, v: None if v is None else _structured(n, v),
+    "structured": _structured,
 }

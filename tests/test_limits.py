@@ -13,6 +13,7 @@ from api.errors import OpenAIError
 from api.limits import Limits
 from api.settings import Settings
 from tests.queue_helpers import submit, wait_results
+from engine.params import MAX_STRUCTURED_BYTES
 from tests.test_api_support import ApiServer, flushed, is_openai_error, wait_heartbeat
 from worker import contract as c
 
@@ -41,6 +42,44 @@ def stack(redis_server, tiny_model_path):
 
 def completion(http: httpx.Client, **body) -> httpx.Response:
     return http.post("/v1/completions", json={"model": "m", "prompt": "Hello there", **body})
+
+
+def last_entry_ids(r) -> dict[bytes, bytes]:
+    """Each request stream's last generated entry id: a worker deletes finished entries, so XLEN alone cannot
+    tell whether one was added and served meanwhile; an unchanged last id can."""
+    streams = sorted(r.scan_iter(match=c.request_stream("*", "*")))
+    return {s: r.xinfo_stream(s)["last-generated-id"] for s in streams}
+
+
+def test_a_schema_over_the_size_limit_is_a_400_and_nothing_is_queued(stack):
+    r, http = stack
+    assert completion(http, max_tokens=2).status_code == 200  # the stream exists
+    before = last_entry_ids(r)
+    properties = {f"field_{i:05d}": {"type": "string", "description": "d" * 64} for i in range(4000)}
+    schema = {"type": "object", "properties": properties}  # ~400 KiB: over the limit, under the body's 4 MiB
+    assert MAX_STRUCTURED_BYTES < len(orjson.dumps(schema)) < (4 << 20)
+    r_ = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                                  "response_format": {"type": "json_schema", "json_schema": {
+                                                      "name": "big", "schema": schema}}})
+    assert r_.status_code == 400 and is_openai_error(r_.json()), r_.text[:500]
+    err = r_.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema", err
+    assert str(MAX_STRUCTURED_BYTES) in err["message"], err
+    assert last_entry_ids(r) == before
+
+
+def test_min_tokens_over_the_fitted_max_tokens_is_a_400_and_nothing_is_queued(stack):
+    """Without max_tokens a prompt gets what the context leaves it (here under 64 tokens): a min_tokens above
+    that is refused at the door, not by the worker after a round trip."""
+    r, http = stack
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+    assert http.post("/v1/chat/completions", json={**chat, "min_tokens": 8}).status_code == 200
+    before = last_entry_ids(r)
+    over = http.post("/v1/chat/completions", json={**chat, "min_tokens": MAX_MODEL_LEN})
+    assert over.status_code == 400 and is_openai_error(over.json()), over.text
+    err = over.json()["error"]
+    assert err["param"] == "min_tokens" and "max_tokens" in err["message"], err
+    assert last_entry_ids(r) == before
 
 
 def test_the_heartbeat_carries_the_workers_limits(stack):

@@ -44,7 +44,7 @@ from typing import Any
 
 import orjson
 
-from engine.params import SamplingParams
+from engine.params import MAX_TOKEN_ID, SamplingParams
 
 SCHEMA_VERSION = 1
 PREFIX = "gaggle:"
@@ -71,10 +71,10 @@ OWNER_TTL_S = 4.0
 OWNER_REFRESH_S = 1.0
 OWNER_GRACE_S = 3.0
 DEFAULT_DEADLINE_S = {"interactive": 3600.0, "batch": 24 * 3600.0}
-# Bounds of a queue entry (the worker checks its own, tighter limits too: slots, vocabulary, max_model_len).
+# Bounds of a queue entry (the worker checks its own, tighter limits too: slots, vocabulary, max_model_len; the
+# params' limits are in engine.params). The API admits no more than MAX_N choices (api.limits).
 MAX_ID_CHARS = 256
 MAX_N = 1024
-MAX_TOKEN_ID = 2**31 - 1
 
 
 def request_stream(priority: str, tenant: str) -> str:
@@ -222,7 +222,7 @@ class QueuedRequest:
     """One generation request as it travels in a stream entry."""
     id: str
     prompt_token_ids: list[int]
-    params: dict  # engine.params.SamplingParams fields, as JSON
+    params: dict  # SamplingParams.to_wire(): engine.params.SamplingParams fields, as JSON
     n: int = 1
     endpoint: str = "completions"  # completions | chat
     model: str = ""
@@ -262,8 +262,9 @@ class QueuedRequest:
 
     @classmethod
     def decode(cls, fields: dict) -> "QueuedRequest":
-        """The entry's request, every field type- and bounds-checked, params as SamplingParams in ``sampling``;
-        SchemaError naming the first bad field. Nothing is built before its input passed."""
+        """The entry's request, every field type- and bounds-checked, params as SamplingParams in ``sampling``
+        (SamplingParams.from_wire: their types, then the one validation the API ran too: an entry may be
+        forged); SchemaError naming the first bad field. Nothing is built before its input passed."""
         raw = fields.get(ENTRY_FIELD) or fields.get(ENTRY_FIELD.decode())
         if raw is None:
             raise SchemaError("stream entry has no 'data' field")
