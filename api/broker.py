@@ -196,6 +196,21 @@ class Broker:
                     log.warning("undecodable heartbeat", extra={"error": str(e)})
         return beats
 
+    async def warming_workers(self) -> list[c.WarmupStatus]:
+        """Workers still warming up (fresh ``warming:<name>`` keys), oldest report first."""
+        recent = time.time() - c.WARMING_TTL_S
+        names = await self.redis.zrangebyscore(c.WARMING_REGISTRY, recent, "+inf")
+        if not names:
+            return []
+        statuses = []
+        for data in await self.redis.mget([c.warming_key(n.decode()) for n in names]):
+            if data:
+                try:
+                    statuses.append(c.WarmupStatus.decode(data))
+                except (c.SchemaError, TypeError) as e:
+                    log.warning("undecodable warm-up status", extra={"error": str(e)})
+        return statuses
+
     async def tenants(self) -> list[str]:
         """Tenants that ever queued a request (their streams), cached for TENANTS_CACHE_S."""
         now = time.monotonic()

@@ -36,6 +36,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Request, Sequence, SequenceOutput, Status, TokenLogprob
 from engine.text import TextStream
 from engine.tokenizer import WorldTokenizer
+from engine.warmup import WarmupProgress
 from engine.weights import Rwkv7Weights, load_model
 
 log = logging.getLogger(__name__)
@@ -178,10 +179,11 @@ class LLMEngine:
         log.info("request aborted", extra={"request_id": request_id, "freed_slots": len(removed)})
         return True
 
-    def warm_up(self) -> float:
-        """Compile, autotune and capture what serving can need, before the first request; the seconds it took."""
+    def warm_up(self, progress: WarmupProgress | None = None) -> float:
+        """Compile, autotune and capture what serving can need, before the first request, reporting each stage to
+        ``progress``; the seconds it took."""
         t0 = time.perf_counter()
-        self.runner.warm_up(self.config.max_num_batched_tokens)
+        self.runner.warm_up(self.config.max_num_batched_tokens, progress)
         seconds = time.perf_counter() - t0
         log.info("engine warmed up", extra={"seconds": round(seconds, 2), "backend": self.runner.backend})
         return seconds

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from engine.sampler import Admission, PendingSample, SampleOutput, Sampler
 from engine.scheduler import PrefillChunk, SchedulerOutput
 from engine.sequence import Sequence, TokenLogprob
 from engine.state import StatePool
+from engine.warmup import WarmupProgress
 from engine.weights import Rwkv7Weights
 
 log = logging.getLogger(__name__)
@@ -92,36 +92,68 @@ class ModelRunner:
         self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
                                  self.eos_token_ids, slot_index=slots)
 
-    def warm_up(self, max_prefill_tokens: int) -> None:
-        """Everything a step can compile, autotune or capture, done now: each decode graph bucket, each prefill
-        graph bucket, eager prefill packings (prompt scoring and prefills no bucket holds; Triton specialises on
-        sizes divisible by 16, and on 1), the sampler's kernels. Uses free
-        slots and leaves them zeroed; a no-op on the reference path (nothing to compile)."""
-        if self.backend == "reference":
-            return
-        timings, t0 = {}, time.perf_counter()
-        graphs = getattr(self.model, "graphs", None)
-        if graphs is not None:
-            for bs in reversed(graphs.sizes):
-                if bs not in graphs.graphs:
-                    graphs.capture(bs)
-        timings["graphs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-        prefill_graphs = getattr(self.model, "prefill_graphs", None)
-        if prefill_graphs is not None:
-            prefill_graphs.capture_all()
-        timings["prefill_graphs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    def warm_up(self, max_prefill_tokens: int, progress: WarmupProgress | None = None) -> None:
+        """Everything a step can compile, autotune or capture, done now, reported stage by stage. Uses free slots
+        and leaves them zeroed. On the reference path nothing compiles: one real step checks the model instead.
+
+        On CUDA the stages overlap where they can: the sampler's kernels compile in threads (no launches) while
+        the model's kernels compile and tune (eager runs, autotuners compiling their configs at once); captures
+        start once the model's kernels exist, the sampler's launches once its kernels do."""
+        progress = progress or WarmupProgress()
         slots = list(range(min(8, self.num_slots)))
-        for chunks in ([[1]], [[1] * 15], [[1] * 16], [[1] * 7, [2] * 9, [3] * 33],
-                       [[1] * max(1, max_prefill_tokens // len(slots))] * len(slots)):
-            chunks = chunks[:len(slots)]  # never more sequences than the engine has slots (one slot: one chunk)
-            self.model.prefill_with_scores(chunks, slots[:len(chunks)], {}, eager=True)
-        self.pool.reset(to_device(slots, torch.long, self.device))
+        if self.backend == "reference":
+            with progress.stage("checking the model", 1):
+                self.model.prefill_with_scores([[0, 1, 2]], slots[:1], {})
+                self.pool.reset(to_device(slots[:1], torch.long, self.device))
+                progress.advance("checking the model")
+            return
+        from engine.cuda.autotune import parallel_autotuning
+        graphs = getattr(self.model, "graphs", None)
+        prefill_graphs = getattr(self.model, "prefill_graphs", None)
+        batch_sizes = graphs.sizes if graphs is not None else [1, self.num_slots]
+        sampler_compile = self.sampler.start_compiling(batch_sizes, progress)
+        with parallel_autotuning():
+            self._compile_model(slots, max_prefill_tokens, graphs, prefill_graphs, progress)
+        if graphs is not None:
+            sizes = [bs for bs in reversed(graphs.sizes) if bs not in graphs.graphs]  # largest first: one pool
+            with progress.stage("capturing decode graphs", len(sizes)):
+                for bs in sizes:
+                    graphs.capture(bs)
+                    progress.advance("capturing decode graphs")
+        if prefill_graphs is not None:
+            buckets = prefill_graphs.uncaptured()
+            with progress.stage("capturing prefill graphs", len(buckets)):
+                for b in buckets:
+                    prefill_graphs.capture(b)
+                    progress.advance("capturing prefill graphs")
+        sampler_compile.result()  # a compile error is raised here
+        with progress.stage("launching sampler kernels", len(batch_sizes)):
+            self.sampler.warm_up(batch_sizes, on_batch=lambda: progress.advance("launching sampler kernels"))
         torch.cuda.synchronize(self.device)
-        timings["prefill_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-        self.sampler.warm_up(graphs.sizes if graphs is not None else [1, self.num_slots])
-        torch.cuda.synchronize(self.device)
-        timings["sampler_s"] = time.perf_counter() - t0
-        log.info("warm-up parts", extra={k: round(v, 2) for k, v in timings.items()})
+        log.info("warm-up parts", extra=progress.stage_seconds)
+
+    def _compile_model(self, slots: list[int], max_prefill_tokens: int, graphs, prefill_graphs,
+                       progress: WarmupProgress) -> None:
+        """Eager runs of every shape the model's kernels specialise on: a decode step per graph bucket, a
+        prefill per prefill-graph bucket's token count, and eager packings (prompt scoring and prefills no
+        bucket holds; Triton specialises on sizes divisible by 16, and on 1)."""
+        packings = [[[1]], [[1] * 15], [[1] * 16], [[1] * 7, [2] * 9, [3] * 33],
+                    [[1] * max(1, max_prefill_tokens // len(slots))] * len(slots)]
+        packings = [p[:len(slots)] for p in packings]  # never more sequences than the engine has slots
+        decode_sizes = graphs.sizes if graphs is not None else []
+        bucket_tokens = sorted({b.tokens for b in prefill_graphs.buckets}) if prefill_graphs is not None else []
+        with progress.stage("compiling model kernels", len(packings) + len(decode_sizes) + len(bucket_tokens)):
+            for chunks in packings:
+                self.model.prefill_with_scores(chunks, slots[:len(chunks)], {}, eager=True)
+                progress.advance("compiling model kernels")
+            for bs in decode_sizes:
+                graphs.run_eager(bs)
+                progress.advance("compiling model kernels")
+            for tokens in bucket_tokens:
+                prefill_graphs.run_eager(tokens)
+                progress.advance("compiling model kernels")
+            self.pool.reset(to_device(slots, torch.long, self.device))
+            torch.cuda.synchronize(self.device)
 
     def launch(self, batch: SchedulerOutput,
                before_sample: Callable[[list[Sequence], torch.Tensor], None] | None = None) -> LaunchedStep | None:

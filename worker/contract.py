@@ -22,6 +22,9 @@ Key space (all under ``gaggle:``):
     text:<id>:<index>      string  text so far of one choice (async requests only), TTL RESULT_TTL_S
     watch:<id>             string  set (TTL) while an /events stream watches an async request: its deltas are
                                    published only then (the API fills the gap from text:<id> by text_offset)
+    warming:<name>         string  a starting worker's warm-up progress with TTL (JSON: stages and counts), until its
+                                   first heartbeat
+    warming                zset    warming worker name -> time of its last progress report
     worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model, its limits); a
                                    consumer's pending entries are reclaimed by others once it has expired
     workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
@@ -151,6 +154,15 @@ def heartbeat_key(worker_name: str) -> str:
 
 WORKER_REGISTRY = PREFIX + "workers"  # sorted set: worker name -> time of its last heartbeat (no keyspace SCAN)
 WORKER_REGISTRY_RETENTION_S = 3600.0  # names silent this long are dropped; liveness is the heartbeat key's TTL
+
+
+def warming_key(worker_name: str) -> str:
+    return f"{PREFIX}warming:{worker_name}"
+
+
+WARMING_REGISTRY = PREFIX + "warming"  # sorted set: warming worker name -> time of its last progress report
+WARMING_TTL_S = 15.0  # a warming worker refreshes its key every WARMING_REFRESH_S, also while a stage is silent
+WARMING_REFRESH_S = 2.0
 
 
 # -- files and batches (the Batch API; api/batch/) ------------------------------------------------
@@ -546,6 +558,44 @@ class Heartbeat:
     @classmethod
     def decode(cls, data: bytes | str) -> "Heartbeat":
         """Fields a newer worker adds are ignored, ones an older worker lacks take their defaults."""
+        obj = loads_versioned(data)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in obj.items() if k in known})
+
+
+@dataclass
+class WarmupStatus:
+    """A starting worker's progress (``warming:<name>``): what ``/ready`` and the status page show until its
+    first heartbeat. ``stages``: the active ones, each {"name", "done", "total"}."""
+    name: str
+    host: str
+    device: str
+    model: str
+    stages: list[dict]
+    elapsed_s: float
+    ts: float = field(default_factory=time.time)
+
+    def encode(self) -> bytes:
+        return dumps({"v": SCHEMA_VERSION, **asdict(self)})
+
+    def publish(self, pipe) -> None:
+        pipe.set(warming_key(self.name), self.encode(), px=int(WARMING_TTL_S * 1000))
+        pipe.zadd(WARMING_REGISTRY, {self.name: self.ts})
+        pipe.zremrangebyscore(WARMING_REGISTRY, "-inf", self.ts - WORKER_REGISTRY_RETENTION_S)
+
+    @staticmethod
+    def withdraw(pipe, name: str) -> None:
+        pipe.delete(warming_key(name))
+        pipe.zrem(WARMING_REGISTRY, name)
+
+    def describe(self) -> str:
+        """``prefill graphs 40/85 (47%) · sampler kernels 7/16 (43%) · 38 s``"""
+        parts = [f"{s['name']} {s['done']}/{s['total']} ({100 * s['done'] // max(s['total'], 1)}%)"
+                 for s in self.stages] or ["starting"]
+        return " · ".join(parts + [f"{self.elapsed_s:.0f} s"])
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "WarmupStatus":
         obj = loads_versioned(data)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in obj.items() if k in known})

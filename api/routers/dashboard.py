@@ -40,6 +40,7 @@ async def dashboard_status(request: Request) -> Response:
 async def status(broker: Broker, private: bool) -> dict:
     now = time.time()
     workers = await broker.live_workers()
+    warming = await broker.warming_workers()
     depths = await broker.queue_depth()
     r = broker.redis
     pipe = r.pipeline(transaction=False)
@@ -58,6 +59,8 @@ async def status(broker: Broker, private: bool) -> dict:
         "workers": [{"name": w.name, "device": w.device, "model": w.model, "age_s": round(now - w.ts, 2),
                      "running": w.running, "free_slots": w.free_slots, "num_slots": w.num_slots,
                      "tokens_per_s": w.tokens_per_s, "draining": w.draining} for w in workers],
+        "warming": [{"name": w.name, "device": w.device, "model": w.model, "stages": w.stages,
+                     "elapsed_s": w.elapsed_s, "status": w.describe()} for w in warming],
         "totals": {"tokens_per_s": sum(w.tokens_per_s for w in workers), "running": sum(w.running for w in workers),
                    "in_streams": sum(depths.values()), "workers": len(workers)},
         "queues": queues,

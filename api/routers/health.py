@@ -1,4 +1,5 @@
-"""GET /health (liveness, no Redis) and GET /ready (Redis reachable and a live worker)."""
+"""GET /health (liveness, no Redis) and GET /ready (Redis reachable and a live worker; else why not: a worker
+warming up says its stage and count)."""
 
 from __future__ import annotations
 
@@ -28,5 +29,12 @@ async def ready(request: Request) -> dict:
         raise OpenAIError(503, "not ready: redis is unreachable", code="redis_unreachable") from None
     live = [w for w in workers if not w.draining]
     if not live:
+        try:
+            warming = await broker.warming_workers()
+        except (RedisError, OSError):
+            warming = []
+        if warming:
+            raise OpenAIError(503, "not ready: warming up (" + "; ".join(f"{w.name}: {w.describe()}" for w in warming)
+                              + ")", code="warming_up")
         raise OpenAIError(503, "not ready: no live worker heartbeat", code="no_workers")
     return {"status": "ready", "workers": len(live)}

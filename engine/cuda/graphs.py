@@ -35,9 +35,9 @@ def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
     """``torch.cuda.graph`` with the garbage collector held off: a collection in the middle of a capture can run a
     finalizer that calls CUDA (freeing a pinned buffer or an event of an earlier object), which invalidates the
     capture (seen on an H200 when captures followed other work in one process). Other threads' CUDA calls do
-    not invalidate it (thread-local capture mode)."""
+    not invalidate it (thread-local capture mode). No collection before each capture either: with fla and torch
+    loaded one takes ~0.25 s, most of a warm start's 100 captures (BENCHMARKS.md, cold start)."""
     enabled = gc.isenabled()
-    gc.collect()
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -68,8 +68,7 @@ class DecodeGraphs:
     def capture(self, bs: int) -> None:
         """Capture one bucket (lazily, on its first use); all buckets share one memory pool."""
         t0 = time.perf_counter()
-        self.slots[:bs].fill_(self.scratch_slot)
-        self.step(self.tokens[:bs], self.slots[:bs])  # warmup: Triton compiles, cuBLAS picks kernels
+        self.run_eager(bs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self._pool):
@@ -80,6 +79,12 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
         log.info("captured decode graph", extra={"batch": bs, "seconds": round(time.perf_counter() - t0, 3)})
+
+    @torch.inference_mode()
+    def run_eager(self, bs: int) -> None:
+        """An uncaptured step of bucket ``bs`` on the scratch slot: Triton compiles, cuBLAS picks kernels."""
+        self.slots[:bs].fill_(self.scratch_slot)
+        self.step(self.tokens[:bs], self.slots[:bs])
 
     def run(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         n = len(token_ids)

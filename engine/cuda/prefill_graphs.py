@@ -146,8 +146,7 @@ class PrefillGraphs:
         """Capture one bucket (at warm-up, or lazily on first use): an eager run first compiles and autotunes.
         A capture that fails (a library call that may not be captured) leaves the bucket eager; False."""
         t0 = time.perf_counter()
-        self._load(lay_out(b, [[0]], [self.scratch_slot], self.scratch_slot), b)
-        self.forward(PrefillInputs.view(self.inputs, b), b)
+        self._run_eager(b)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -170,10 +169,18 @@ class PrefillGraphs:
         log.info("captured prefill graph", extra={"tokens": b.tokens, "seqs": b.seqs, "seconds": round(seconds, 3)})
         return True
 
-    def capture_all(self) -> None:
-        for b in reversed(self.buckets):  # largest first: the pool is sized once
-            if b not in self.graphs and b not in self.eager:
-                self.capture(b)
+    def uncaptured(self) -> list[PrefillBucket]:
+        """The buckets still to capture, largest first (the memory pool is sized by the first)."""
+        return [b for b in reversed(self.buckets) if b not in self.graphs and b not in self.eager]
+
+    @torch.inference_mode()
+    def run_eager(self, tokens: int) -> None:
+        """An uncaptured prefill in the smallest bucket of ``tokens`` tokens: compiles and tunes its kernels."""
+        self._run_eager(min((b for b in self.buckets if b.tokens == tokens), key=lambda b: b.seqs))
+
+    def _run_eager(self, b: PrefillBucket) -> None:
+        self._load(lay_out(b, [[0]], [self.scratch_slot], self.scratch_slot), b)
+        self.forward(PrefillInputs.view(self.inputs, b), b)
 
     def run(self, chunks: list[list[int]], slots: list[int]) -> torch.Tensor | None:
         """Each chunk's last logits ``[len(chunks), vocab]``, or None when no bucket holds this prefill. A copy:

@@ -13,11 +13,13 @@ import functools
 
 import torch
 
+from engine.cuda.fla_import import kernel_modules
 from engine.device import to_device
 
 
 @functools.cache
 def _direct() -> tuple | None:
+    kernel_modules()
     try:
         from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd, gate_bound_is_safe
         from fla.ops.utils.index import prepare_chunk_indices
