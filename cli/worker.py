@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.args import add_engine_args, add_engine_kind_arg, build_engine, use_triton_cache
+from engine.args import add_engine_args, add_engine_kind_arg, build_engine, use_triton_cache, worker_engine_config
 
 
 def add_redis_arg(p: argparse.ArgumentParser) -> None:
@@ -52,14 +52,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.reader import NameInUse
     from worker.worker import Worker, WorkerConfig, unique_worker_name
 
+    synthetic = parse_engine_spec(args.engine)
     try:
-        engine, config = build_engine(args, parse_engine_spec(args.engine))
+        config = worker_engine_config(args, synthetic)
     except ValueError as e:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
-    engine.warm_up()  # before the first heartbeat: no request waits for a compilation
     device = config.resolved_device()
-    cfg = WorkerConfig(redis_url=args.redis_url, name=args.name or unique_worker_name(device),
+    name = args.name or unique_worker_name(device)
+    try:
+        engine = build_warm_engine(config, synthetic, args.redis_url, name)
+    except ValueError as e:
+        print(f"gaggle: {e}", file=sys.stderr)
+        return 2
+    cfg = WorkerConfig(redis_url=args.redis_url, name=name,
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
                        interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover,
                        launch=args.launch, log_stats_interval_s=args.log_stats_interval,
@@ -75,6 +81,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def build_warm_engine(config, synthetic, redis_url: str, name: str):
+    """The engine, loaded and warmed up before the worker's first heartbeat (no request waits for a compilation),
+    each stage printed and published to Redis as it goes."""
+    from engine.warmup import WarmupProgress
+    from worker.warmup_report import WarmupReporter
+    reporter = WarmupReporter(redis_url, name, config.resolved_device(), Path(config.model).name)
+    progress = WarmupProgress(reporter)
+    try:
+        with progress.stage("loading model", 1):
+            engine = build_engine(config, synthetic)
+            progress.advance("loading model")
+        seconds = engine.warm_up(progress)
+    finally:
+        reporter.close()
+    print(f"gaggle worker: warmed up in {seconds:.1f} s; {name} takes requests", file=sys.stderr, flush=True)
+    return engine
 
 
 def check_worker(redis_url: str, name: str | None) -> int:

@@ -85,20 +85,24 @@ def scheduling_args(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in SCHEDULING_FIELDS}
 
 
-def build_engine(args: argparse.Namespace,
-                 synthetic: tuple[float, float | None] | None) -> tuple[LLMEngine, EngineConfig]:
-    """The worker's engine and its config: the model's, or (decode and prefill rates) a synthetic one with no
-    model at all."""
-    from engine.engine import LLMEngine
+def worker_engine_config(args: argparse.Namespace, synthetic: tuple[float, float | None] | None) -> EngineConfig:
+    """The worker's engine config: the model's, or a synthetic engine's (no model at all)."""
+    if synthetic is None:
+        return engine_config_from_args(args)
+    num_seqs = args.max_num_seqs or 1024
+    return EngineConfig(model="synthetic", device="cpu", max_num_seqs=num_seqs,
+                        max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs),
+                        max_model_len=args.max_model_len, **scheduling_args(args))
+
+
+def build_engine(config: EngineConfig, synthetic: tuple[float, float | None] | None = None) -> LLMEngine:
+    """The engine ``config`` names; with ``synthetic`` (decode and prefill rates), tokens at a fixed rate through
+    the real scheduler and no model. ModelFormatError is a ValueError."""
     if synthetic is not None:
         from engine.synthetic import synthetic_engine
-        num_seqs = args.max_num_seqs or 1024
-        config = EngineConfig(model="synthetic", device="cpu", max_num_seqs=num_seqs,
-                              max_num_batched_tokens=max(args.max_num_batched_tokens, num_seqs),
-                              max_model_len=args.max_model_len, **scheduling_args(args))
-        return synthetic_engine(config, *synthetic), config
-    config = engine_config_from_args(args)
-    return LLMEngine(config), config  # ModelFormatError is a ValueError
+        return synthetic_engine(config, *synthetic)
+    from engine.engine import LLMEngine
+    return LLMEngine(config)
 
 
 def ensure_demo_model(data_dir: Path) -> Path:

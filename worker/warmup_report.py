@@ -44,12 +44,12 @@ class WarmupReporter:
         self._thread.start()
 
     def __call__(self, snapshot: WarmupSnapshot) -> None:
+        self._publish(snapshot)  # first: whoever reads a line can find the status in Redis
         with self._lock:
             self._latest = snapshot
             names = tuple(s.name for s in snapshot.stages)
             if names != self._printed_stages or time.monotonic() - self._printed_at >= PRINT_INTERVAL_S:
                 self._print(snapshot)
-        self._publish(snapshot)
 
     def _print(self, snapshot: WarmupSnapshot) -> None:
         self._printed_stages, self._printed_at = tuple(s.name for s in snapshot.stages), time.monotonic()
