@@ -9,6 +9,7 @@ then Redis. A child that dies is restarted with exponential backoff.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,10 +136,13 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         if not self.redis_url:
             from worker.redis_server import RedisServer
+            print(f"gaggle: starting the embedded Redis (data in {self.data_dir / 'redis'})", file=sys.stderr)
             self.redis = RedisServer(self.data_dir / "redis", port=self.args.redis_port).start()
             self.redis_url = self.redis.url
             log.info("embedded redis started", extra={"url": self.redis_url, "aof": str(self.data_dir / 'redis')})
         self.build()
+        print(f"gaggle: starting {', '.join(child.name for child in self.children)} (logs in {self.logs})",
+              file=sys.stderr, flush=True)
         for child in self.children:
             child.start()
         try:
@@ -182,18 +187,34 @@ class Supervisor:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
         return f"http://{host}:{self.args.port}"
 
-    def _wait_ready(self, timeout_s: float = 300.0) -> bool:
+    def _wait_ready(self, timeout_s: float = 900.0) -> bool:
+        """Until ``/ready`` answers 200, saying what it waits for whenever that changes (every worker's warm-up
+        stage and count, the API not listening yet), at most every 2 s."""
         deadline = time.monotonic() + timeout_s
+        said, said_at = "", 0.0
         while time.monotonic() < deadline and not self.stopping:
-            try:
-                with urllib.request.urlopen(self._url() + "/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except Exception:
-                pass
+            reason = self._not_ready_reason()
+            if reason is None:
+                return True
+            if reason != said and time.monotonic() - said_at >= 2.0:
+                print(f"gaggle: {reason}", file=sys.stderr, flush=True)
+                said, said_at = reason, time.monotonic()
             self._restart_crashed()
             time.sleep(0.5)
         return False
+
+    def _not_ready_reason(self) -> str | None:
+        """None once ``/ready`` answers 200; else its reason (a warming worker's stage, no worker yet, ...)."""
+        try:
+            with urllib.request.urlopen(self._url() + "/ready", timeout=2):
+                return None
+        except urllib.error.HTTPError as e:
+            try:
+                return json.loads(e.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                return f"not ready (HTTP {e.code})"
+        except OSError:
+            return "starting: the API is not listening yet"
 
     def _print_banner(self) -> None:
         url = self._url()
