@@ -7,6 +7,8 @@ COPY pyproject.toml README.md ./
 COPY api ./api
 COPY worker ./worker
 COPY engine ./engine
+COPY cli ./cli
+COPY benchmarks ./benchmarks
 COPY dashboards ./dashboards
 RUN pip install --upgrade pip && pip install torch==2.13.0 && pip install -e .
 ENTRYPOINT ["gaggle", "--log-format", "json", "--log-level", "INFO"]

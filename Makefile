@@ -38,9 +38,10 @@ test-gpu: venv
 up: venv
 	$(VENV)/bin/gaggle up $(ARGS)
 
+# The CPU tables (any machine); a GPU host: bash benchmarks/run.sh all (benchmarks/README.md)
 bench: venv
-	$(PY) -m engine.bench --device cpu
-	$(PY) -m worker.bench
+	$(PY) -m benchmarks.engine --device cpu
+	$(PY) -m benchmarks.queue_overhead
 
 clean:
 	rm -rf $(VENV) .gaggle

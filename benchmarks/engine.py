@@ -1,27 +1,27 @@
-"""Engine benchmarks: print tables, append them to BENCHMARKS.md. Never asserts.
+"""Engine benchmarks: print tables and put them in BENCHMARKS.md (each mode its own area). Never asserts.
 
-    python -m engine.bench --device cpu
-    python -m engine.bench --device cuda --shapes 0.1b,1.5b,7.2b [--out BENCHMARKS.md]
-    python -m engine.bench --device cuda --sampler-only --out -
-    python -m engine.bench --device cuda --sampler-only --sampler-graphed --out -
-    python -m engine.bench --device cuda --prefill-only --shapes 1.5b --out -
+    python -m benchmarks.engine --device cpu
+    python -m benchmarks.engine --device cuda --shapes 0.1b,1.5b,7.2b [--out BENCHMARKS.md]
+    python -m benchmarks.engine --device cuda --sampler-only --out -
+    python -m benchmarks.engine --device cuda --sampler-only --sampler-graphed --out -
+    python -m benchmarks.engine --device cuda --prefill-only --shapes 1.5b --out -
+    python -m benchmarks.engine --device cuda --serve --shapes 1.5b        (benchmarks/serve_loop.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
-from engine.demo import PRESETS, random_state_dict
-from engine.report import publish, table
+from benchmarks.report import command_line, publish, table
+from benchmarks.sampler import DECODE_BATCHES, bench_admission, bench_sampler_cpu, bench_sampler_cuda
+from benchmarks.timing import cuda_time_ms, preset_weights
+from engine.demo import random_state_dict
 from engine.weights import weights_from_state_dict
-
-DECODE_BATCHES = (1, 64, 256, 1024)
 
 
 # -- CPU ----------------------------------------------------------------------------------
@@ -55,111 +55,7 @@ def bench_cpu() -> str:
     return out + "\n" + bench_sampler_cpu()
 
 
-def bench_sampler_cpu(batch: int = 32, vocab: int = 65536) -> str:
-    """One sampling step over [batch, vocab] logits on one core, by parameter mix. Gaussian logits with σ=6
-    make a peaked distribution (a trained LM's is; its top_p nucleus fits the 1,024 candidates), σ=1 a wide one."""
-    from engine.params import SamplingParams
-    from engine.sampler import Sampler
-
-    cases = (("temperature 1, top_p 0.9, peaked (σ=6)", SamplingParams(temperature=1.0, top_p=0.9), 6.0),
-             ("temperature 1, top_p 0.9, wide (σ=1): full-sort fallback", SamplingParams(temperature=1.0, top_p=0.9),
-              1.0),
-             ("temperature 0.8, top_k 50", SamplingParams(temperature=0.8, top_k=50), 3.0),
-             ("temperature 1, no top_k/top_p", SamplingParams(temperature=1.0), 3.0),
-             ("greedy", SamplingParams(temperature=0.0), 3.0))
-    rows = []
-    for name, params, scale in cases:
-        sampler = Sampler(batch, vocab, "cpu")
-        for slot in range(batch):
-            sampler.reset_slot(slot, params, slot, [1])
-        logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * scale
-        slots = torch.arange(batch)
-        sampler.sample(logits, slots)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            sampler.sample(logits, slots)
-        rows.append([name, f"{(time.perf_counter() - t0) / 5 * 1e3:.1f}"])
-    return table(f"Sampler, batch {batch} × vocab {vocab:,}, one core", ["parameters", "ms per step"], rows)
-
-
 # -- CUDA ---------------------------------------------------------------------------------
-
-def sampler_mixes() -> list[tuple[str, dict]]:
-    """The parameter mixes the sampler is timed on (issue 12: each within 0.5 ms at batch 1,024)."""
-    bias = {i: 1.0 - 0.25 * (i % 9) for i in range(7, 65536, 8191)}
-    return [("greedy", dict(temperature=0.0)), ("T=1", dict(temperature=1.0)),
-            ("T=1 top_p 0.9", dict(temperature=1.0, top_p=0.9)), ("T=0.8 top_k 50", dict(temperature=0.8, top_k=50)),
-            ("min_p 0.05", dict(temperature=1.0, min_p=0.05)),
-            ("penalties + logit_bias", dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                                            logit_bias=bias)),
-            ("logprobs 5", dict(temperature=1.0, logprobs=5))]
-
-
-def bench_sampler_cuda(vocab: int = 65536, batches: tuple[int, ...] = DECODE_BATCHES, graphed: bool = False) -> str:
-    """``Sampler.sample_device`` (the fused kernel, the counters' update; no transfer) per mix, on flat
-    (Gaussian σ=1: random weights, a nucleus over most of the vocabulary) and peaked (σ=6) logits. ``graphed``:
-    also the same call captured in a CUDA graph and replayed (the device's time without the host's launches:
-    what the launches from Python cost is the difference)."""
-    from engine.params import SamplingParams
-    from engine.sampler import Sampler
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    logits = {sigma: torch.randn(max(batches), vocab, device="cuda", generator=gen) * sigma for sigma in (1.0, 6.0)}
-    prompt = list(range(1, 257))
-    rows = []
-    for name, kw in sampler_mixes():
-        sampler = Sampler(max(batches), vocab, "cuda")
-        for slot in range(max(batches)):
-            sampler.reset_slot(slot, SamplingParams(**kw), slot, prompt)
-        sampler.warm_up(batches)
-        for sigma, x in logits.items():
-            times = []
-            for b in batches:
-                slots = torch.arange(b, device="cuda")
-                times.append(cuda_time_ms(lambda: sampler.sample_device(x[:b], slots), iters=20))
-                if graphed:
-                    times.append(_graph_replay_ms(lambda: sampler.sample_device(x[:b], slots)))
-            rows.append([name, f"σ={sigma:g}"] + [f"{ms:.3f}" for ms in times])
-    columns = [f"batch {b}{kind}" for b in batches for kind in ((", launched", ", graph replay") if graphed else ("",))]
-    return table(f"Sampler (fused kernel, sample_device), vocab {vocab:,}: ms per step",
-                 ["parameters", "logits"] + columns, rows)
-
-
-def _graph_replay_ms(fn) -> float:
-    """``fn`` captured in a CUDA graph (after a run on a side stream, as capture wants), then its replay timed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_time_ms(graph.replay, iters=20)
-
-
-def preset_weights(name: str, dtype: torch.dtype | None = torch.bfloat16):
-    """A preset shape's seeded random weights on the GPU (``dtype`` None: the generator's fp32)."""
-    p = PRESETS[name]
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    return weights_from_state_dict(random_state_dict(layers=p["layers"], width=p["width"], vocab=65536, seed=0,
-                                                     device="cuda", **kwargs))
-
-
-def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
 
 def bench_shape(name: str, max_batch: int, state_dtype: torch.dtype = torch.float32, prefill: bool = True) -> dict:
     from engine.cuda.model import CudaRwkv7
@@ -367,70 +263,6 @@ def bench_host(batches: tuple[int, ...] = (64, 256, 1024), steps: int = 60) -> s
                                                                                 "tok/s one core allows"], rows)
 
 
-def bench_admission(device: str, num_slots: int = 1024, admitted: int = 64, repeats: int = 20) -> str:
-    """Host time to admit a step's new sequences into the sampler's slot tables (``Sampler.reset_slots``, what
-    ``ModelRunner.admit`` does beside zeroing their states): on CUDA small launches and pinned copies that queue
-    behind the running step. Synchronised only after all repeats: the host's cost, as the loop pays it."""
-    from engine.params import SamplingParams
-    from engine.sampler import Admission, Sampler
-    sampler = Sampler(num_slots, 65536, device)
-    params = SamplingParams(temperature=1.0, max_tokens=256, ignore_eos=True)
-    batch = [Admission(i, params, i, [1] * 128) for i in range(admitted)]
-    sampler.reset_slots(batch)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    best = float("inf")
-    for _ in range(5):
-        sync()
-        t = time.perf_counter()
-        for _ in range(repeats):
-            sampler.reset_slots(batch)
-        best = min(best, (time.perf_counter() - t) / repeats)
-    sync()
-    return table(f"Admitting {admitted} sequences into {num_slots} sampler slots ({device})",
-                 ["ms a step", "µs a sequence"], [[f"{best * 1e3:.3f}", f"{best / admitted * 1e6:.1f}"]])
-
-
-def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False,
-                    prefill_graphs: bool = True, prefill_hold_tokens: int = 0, only: list[str] | None = None) -> str:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.serve_bench import (CONSTRAINED_HEADER, PHASES_HEADER, SERVE_HEADER, Workload, bench_constrained,
-                                    bench_serve, standard_workloads)
-
-    cpu = device == "cpu"
-    c = concurrency or (8 if cpu else 256 if constrained else 1024)
-    if cpu:
-        torch.set_num_threads(1)
-        weights = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=65536, seed=0))
-        title = "Serving loop in-process, tiny model (2 × 128) on one core"
-    else:
-        weights = preset_weights(shape)
-        title = f"Serving loop in-process ({shape}, bf16 weights, fp32 state), {c} slots"
-    engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(8192, c),
-                                    prefill_graphs=prefill_graphs, prefill_hold_tokens=prefill_hold_tokens),
-                       weights=weights)
-    if not prefill_graphs:
-        title += ", eager prefill"
-    if prefill_hold_tokens:
-        title += f", new prompts held for {prefill_hold_tokens} tokens"
-    if constrained:
-        rows, phases = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128,
-                                         free_len=120 if cpu else 256)
-        return (table(title + ": constrained decoding", CONSTRAINED_HEADER, rows) + "\n"
-                + table("Host time per step by phase (ms)", PHASES_HEADER, phases))
-    if cpu:
-        workloads = [Workload(f"{c} concurrent, T=1", c, 2 * c, 16, 32), Workload("1 stream, T=1", 1, 2, 16, 64),
-                     Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
-    else:
-        workloads = standard_workloads(c)
-    if only:
-        workloads = [w for w in workloads if any(name in w.name for name in only)]
-        if not workloads:
-            raise SystemExit(f"no workload matches {only}")
-    rows, phases = bench_serve(engine, workloads)
-    return table(title, SERVE_HEADER, rows) + "\n" + table("Host time per step by phase (ms)", PHASES_HEADER, phases)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -445,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only a prefill step's time by size, graph and eager (the first of --shapes)")
     ap.add_argument("--host", action="store_true",
                     help="only the engine loop's host time per token (no device) and a step's admissions (--device)")
-    ap.add_argument("--out", default="BENCHMARKS.md", help="append the tables here ('-' = print only)")
-    ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (engine.serve_bench)")
+    ap.add_argument("--out", default="BENCHMARKS.md", help="put the tables here ('-' = print only)")
+    ap.add_argument("--serve", action="store_true", help="the engine loop on serving workloads (benchmarks/serve_loop.py)")
     ap.add_argument("--concurrency", type=int, default=None, help="--serve: sequences in flight (1,024 on a GPU)")
     ap.add_argument("--workload", action="append", default=[],
                     help="--serve: only the workloads whose name contains this (repeatable), e.g. '1 stream'")
@@ -455,29 +287,39 @@ def main(argv: list[str] | None = None) -> int:
                     help="--serve: new prompts beside decodes wait to share a prefill step (EngineConfig)")
     ap.add_argument("--constrained", action="store_true",
                     help="--serve: half the requests JSON-schema constrained vs all free (256 streams on a GPU)")
+    ap.add_argument("--area", help="the BENCHMARKS.md block to replace (default: by mode: engine, engine-cpu, "
+                                   "sampler, prefill, engine-host, serving-loop, constrained)")
     args = ap.parse_args(argv)
+    area, body = run(args)
+    if args.device == "cpu" and not area.startswith("engine"):
+        area += "-cpu"  # a CPU's serving-loop table never replaces a GPU's
+    publish(args.area or area, command_line("benchmarks.engine", argv), body, args.out,
+            title=TITLES.get(area, f"Engine: {area}"))
+    return 0
+
+
+TITLES = {"engine": "Engine: decode, prefill, memory (one GPU)", "engine-cpu": "Engine on one CPU core",
+          "sampler": "Sampler (one GPU)", "prefill": "A prefill step by size (one GPU)",
+          "engine-host": "Engine loop host time", "serving-loop": "Serving loop in-process (one GPU)",
+          "constrained": "Constrained decoding in the serving loop (one GPU)"}
+
+
+def run(args: argparse.Namespace) -> tuple[str, str]:
+    """The mode's area and tables."""
     if args.host:
-        publish(f"Engine host time — {platform.processor() or platform.machine()}", "engine.bench", argv,
-                bench_host() + "\n" + bench_admission(args.device), args.out)
-        return 0
+        return "engine-host", bench_host() + "\n" + bench_admission(args.device)
     if args.serve:
+        from benchmarks.serve_loop import bench_serve_cmd
         body = bench_serve_cmd(args.device, args.shapes.split(",")[0], args.concurrency, args.constrained,
                                not args.eager_prefill, args.prefill_hold_tokens, args.workload)
-        where = (f"GPU: {torch.cuda.get_device_name()}" if args.device != "cpu" else "CPU") + f", torch {torch.__version__}"
-        publish(f"Engine serving loop — {where}", "engine.bench", argv, body, args.out)
-        return 0
+        return "constrained" if args.constrained else "serving-loop", body
     if args.device == "cpu":
-        body, where = bench_cpu(), f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}"
-    else:
-        if args.sampler_only:
-            body = bench_sampler_cuda(graphed=args.sampler_graphed)
-        elif args.prefill_only:
-            body = bench_prefill_sizes(args.shapes.split(",")[0])
-        else:
-            body = bench_cuda(args.shapes.split(","), args.max_batch, args.decode_only) + "\n" + bench_sampler_cuda()
-        where = f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"
-    publish(f"Engine — {where}", "engine.bench", argv, body, args.out)
-    return 0
+        return "engine-cpu", bench_cpu()
+    if args.sampler_only:
+        return "sampler", bench_sampler_cuda(graphed=args.sampler_graphed)
+    if args.prefill_only:
+        return "prefill", bench_prefill_sizes(args.shapes.split(",")[0])
+    return "engine", bench_cuda(args.shapes.split(","), args.max_batch, args.decode_only) + "\n" + bench_sampler_cuda()
 
 
 if __name__ == "__main__":

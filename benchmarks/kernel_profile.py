@@ -1,6 +1,6 @@
 """Per-kernel profile of the CUDA path: where a decode step and a prefill spend GPU time.
 
-    python -m engine.cuda.profile --shape 1.5b --decode 1,1024 --prefill 4096
+    python -m benchmarks.kernel_profile --shape 1.5b --decode 1,1024 --prefill 4096
 
 Eager runs under ``torch.profiler`` give each kernel's device time (graphs replay the
 same kernels; their step time is also printed, the difference is launch gaps).
@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench import cuda_time_ms, preset_weights
+from benchmarks.timing import cuda_time_ms, preset_weights
 from engine.state import StatePool
 
 

@@ -1,11 +1,10 @@
 """Micro-benchmark of the small-batch weight-streaming matmul on the 1.5B decode shapes (needs a GPU).
 
-    python -m engine.cuda.matmul_sweep            # SHAPES=output,ffn_value MS=1 to narrow it
+    python -m benchmarks.matmul_sweep            # SHAPES=output,ffn_value MS=1 to narrow it
 
 Each measurement: a CUDA graph of 24 launches on 24 distinct weight copies (weights come from HBM, as in
 the model), per-launch µs = graph time / 24. "current" is ``small_matmul`` as the model runs it; the sweep
 is a plain variant of it over tiles, warps, stages and split-K (fp32 partials written, not added up).
-Session 4's table in BENCHMARKS.md came from this program (then "current" was the 16 × 256 kernel).
 """
 import itertools
 import os
@@ -15,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.bench import cuda_time_ms
+from benchmarks.timing import cuda_time_ms
 from engine.cuda.kernels import small_matmul
 
 L = 24

@@ -1,4 +1,4 @@
-"""Queue overhead of a worker without the model: ``python -m worker.bench``.
+"""Queue overhead of a worker without the model: ``python -m benchmarks.queue_overhead``.
 
 A no-compute engine (this benchmark only) emits one token per running sequence
 per step after a simulated GPU step (a sleep, which releases the GIL like a CUDA
@@ -10,7 +10,7 @@ to check that every request got its status, deltas that add up to its final
 result, and the final. Reports, per step: the step period, what the step thread
 spends handing outputs over, the writer thread's Python work and its Redis round
 trip, and the CPU of the worker, redis-server and the subscriber; the section
-in BENCHMARKS.md is replaced.
+in BENCHMARKS.md (area queue-overhead) is replaced.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 import redis
 
-from engine.report import publish
+from benchmarks.report import command_line, publish
 from engine.sequence import SequenceOutput
 from worker import contract as c
 from worker.redis_server import RedisServer
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=10.0, help="simulated GPU step time")
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the table has the median of each number")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
+    ap.add_argument("--area", default="queue-overhead", help="the BENCHMARKS.md block to replace")
     args = ap.parse_args(argv)
     rows = []
     for n in map(int, args.seqs.split(",")):
@@ -285,21 +286,20 @@ def main(argv: list[str] | None = None) -> int:
                    f"{r['redis_cpu_ms_per_step']:.1f} / {r['subscriber_cpu_ms_per_step']:.1f} | "
                    f"{r['tokens_per_s']:,.0f} |\n" for r in rows)
     cores = os.cpu_count()
-    title = (f"Worker queue overhead — no-compute engine, simulated {args.step_ms:g} ms step, embedded redis-server, "
-             f"one subscriber process on every channel, {cores} CPU cores")
-    if args.out != "-":
-        _drop_section(args.out, "## Worker queue overhead")
-    publish(title, "worker.bench", argv, header + body + "\n" + notes(rows, args.step_ms, cores), args.out)
+    caption = (f"No-compute engine, simulated {args.step_ms:g} ms step, embedded redis-server, one subscriber "
+               f"process on every channel, {cores} CPU cores.\n\n")
+    publish(args.area, command_line("benchmarks.queue_overhead", argv),
+            caption + header + body + "\n" + notes(rows, args.step_ms, cores), args.out, title="Worker queue overhead")
     return 0
 
 
 def notes(rows: list[dict], step_ms: float, cores: int | None) -> str:
-    """What the table says about the target of issue 4 (1,024 streaming sequences)."""
+    """What the table says about the target: 1,024 streaming sequences' Redis work in < 2 ms a step."""
     text = ""
     r = next((r for r in rows if r["seqs"] == 1024), None)
     if r is not None:
         met = r["roundtrip_ms_p50"] < 2.0
-        text += (f"Target (issue 4): the per-step Redis work for 1,024 streaming sequences takes < 2 ms and does not "
+        text += (f"Target: the per-step Redis work for 1,024 streaming sequences takes < 2 ms and does not "
                  f"block the step. Here the step thread spends {r['handover_ms_p50']:.2f} ms (p99 "
                  f"{r['handover_ms_p99']:.2f}) per step handing the outputs over and the step period is "
                  f"{r['step_period_ms_p50']:.2f} ms for a {step_ms:g} ms step: **the step is not blocked**. The Redis "
@@ -333,22 +333,6 @@ def notes(rows: list[dict], step_ms: float, cores: int | None) -> str:
         "while the worker runs and checks afterwards that every request's deltas add up to its final result. "
         "Each number is the median of the runs (`--repeat`): the speed of this VM varies up to 3x from one "
         "second to the next.\n")
-
-
-def _drop_section(path: str, heading: str) -> None:
-    """Remove earlier sections that start with ``heading`` (up to the next '## ' heading) from a report."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        text = f.read()
-    kept, skipping = [], False
-    for line in text.splitlines(keepends=True):
-        if line.startswith("## "):
-            skipping = line.startswith(heading)
-        if not skipping:
-            kept.append(line)
-    with open(path, "w") as f:
-        f.write("".join(kept).rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

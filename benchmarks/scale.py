@@ -1,4 +1,4 @@
-"""Where one Redis stops: ``python -m worker.scale_bench`` (issue 17, item 1).
+"""Where one Redis stops: ``python -m benchmarks.scale``.
 
 N synthetic workers (``gaggle worker --engine synthetic:RATE``: the real engine loop, scheduler, detokenizer and
 worker I/O, tokens at a fixed rate, no model) share one redis-server. Load comes from driver processes that do
@@ -37,9 +37,9 @@ from collections.abc import Iterator, Sequence
 
 import redis
 
-from engine.report import publish
+from benchmarks.report import command_line, publish
 from worker import contract as c
-from worker.loadgen.scale_load import accept_client, drive
+from benchmarks.loadgen.scale_load import accept_client, drive
 from worker.procs import cpu_seconds, serving_processes, tree_cpu_seconds
 from worker.redis_server import RedisServer, free_port
 
@@ -86,7 +86,7 @@ def start_workers(url: str, n: int, rate: float, seqs: int, logs: str,
     workers = []
     for i in range(n):
         port = free_port()
-        cmd = [sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "worker", "--redis-url", url,
+        cmd = [sys.executable, "-m", "cli.main", "--log-level", "WARNING", "worker", "--redis-url", url,
                "--engine", f"synthetic:{rate:g}", "--max-num-seqs", str(seqs), "--name", f"scale-w{i}",
                "--metrics-port", str(port), *extra]
         with open(os.path.join(logs, f"worker-{i}.log"), "w") as log:
@@ -189,7 +189,7 @@ def api_server(redis_url: str, logs: str, processes: int, *extra: str) -> Iterat
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(logs, "api.log")
     with open(log_path, "w") as log:
-        api = subprocess.Popen([sys.executable, "-m", "worker.cli", "--log-level", "WARNING", "api", "--redis-url",
+        api = subprocess.Popen([sys.executable, "-m", "cli.main", "--log-level", "WARNING", "api", "--redis-url",
                                 redis_url, "--port", str(port), "--workers", str(processes), *extra],
                                stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -233,7 +233,7 @@ def run_api_tier(num_workers: int, rate: float, seqs: int, api_procs: int, clien
                 before = _redis_snapshot(r), [_worker_counters(p)[0] for _, p in workers]
                 cpu_before = tree_cpu_seconds(api.pid), sum(cpu_seconds(w.pid) for w, _ in workers)
                 t0 = time.time()
-                subprocess.run([sys.executable, "-m", "worker.cli", "bench", "--base-url", url, "--num-prompts",
+                subprocess.run([sys.executable, "-m", "cli.main", "bench", "--base-url", url, "--num-prompts",
                                 str(concurrency * rounds), "--max-concurrency", str(concurrency), "--input-len", "16",
                                 "--output-len", str(output_len), "--ignore-eos", "--client-processes",
                                 str(client_procs), "--save-result", saved], check=True, stdout=subprocess.DEVNULL)
@@ -371,14 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-arg", action="append", default=[],
                     help="a further `gaggle worker` flag, e.g. --worker-arg=--gc-young-threshold=700 (repeatable)")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
+    ap.add_argument("--area", help="the BENCHMARKS.md block to replace (default: by tier: redis, scale-api, "
+                                   "accept-rate)")
     args = ap.parse_args(argv)
-    cores = os.cpu_count()
+    command = command_line("benchmarks.scale", argv)
     if args.tier == "accept":
         rows = [run_accept(args.api_procs, args.clients, args.connections, args.seconds, int(t))
                 for t in args.tenants.split(",")]
         print(rows, file=sys.stderr)
-        publish(f"Async requests accepted per second (issue 13), {cores} CPU cores", "worker.scale_bench", argv,
-                accept_table(rows) + "\n" + ACCEPT_NOTES, args.out)
+        publish(args.area or "accept-rate", command, accept_table(rows) + "\n" + ACCEPT_NOTES, args.out,
+                title="Async requests accepted per second")
         return 0
     if args.tier == "api":
         rows = []
@@ -386,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_api_tier(n, args.rate, args.seqs, args.api_procs, args.clients, args.output_len,
                                      args.rounds, args.worker_arg))
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
-        publish(f"The served path under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench",
-                argv, api_table(rows) + "\n" + API_NOTES, args.out)
+        publish(args.area or "scale-api", command, api_table(rows) + "\n" + API_NOTES, args.out,
+                title="The served path under N synthetic workers")
         return 0
     modes = {"reply": [True], "per-request": [False], "both": [False, True]}[args.channels]
     rows = []
@@ -398,8 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.worker_arg))
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, file=sys.stderr)
     body = table(rows) + "\n" + NOTES
-    publish(f"One Redis under N synthetic workers (issue 17), {cores} CPU cores", "worker.scale_bench", argv, body,
-            args.out)
+    publish(args.area or "redis", command, body, args.out, title="One Redis under N synthetic workers")
     return 0
 
 

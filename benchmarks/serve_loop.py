@@ -1,4 +1,4 @@
-"""``python -m engine.bench --serve``: the engine loop in-process (no Redis, no HTTP) on serving workloads.
+"""``python -m benchmarks.engine --serve``: the engine loop in-process (no Redis, no HTTP) on serving workloads.
 
 Closed loop: ``concurrency`` sequences in flight, each replaced by a new request when it finishes, until
 ``num_requests`` finished (or, ``burst``: every request queued at once). Reports output tok/s, the GPU's busy
@@ -14,10 +14,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from benchmarks.report import table
+from benchmarks.timing import cuda_time_ms, preset_weights
+from engine.demo import random_state_dict
 from engine.gc_policy import settle_heap
 from engine.params import SamplingParams
 from engine.phases import PHASES
 from engine.sequence import Request
+from engine.weights import weights_from_state_dict
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class Workload:
 
 
 def standard_workloads(concurrency: int) -> list[Workload]:
-    """The issue's workloads: 1,024 concurrent (T=1 with equal and with spread lengths, greedy), one stream, a
+    """The serving workloads: 1,024 concurrent (T=1 with equal and with spread lengths, greedy), one stream, a
     prefill-heavy burst."""
     n = 2 * concurrency
     return [Workload(f"{concurrency} concurrent, T=1", concurrency, n, 128, 256),
@@ -137,7 +141,6 @@ def _busy_s(events: list[tuple]) -> float:
 
 def model_rates(engine, batch: int, prompt_len: int) -> tuple[float, float]:
     """Model-only decode seconds per step at ``batch`` (the graphs the loop uses) and packed-prefill tokens/s."""
-    from engine.bench import cuda_time_ms
     model, vocab = engine.runner.model, engine.vocab_size
     slots = torch.arange(batch, device="cuda")
     tokens = torch.randint(1, vocab, (batch,), device="cuda")
@@ -230,3 +233,44 @@ def bench_constrained(engine, concurrency: int, num_requests: int, prompt_len: i
                      f"{pct(res['ttft'], 0.5):.0f}", f"{res['output_tokens'] / max(1, len(res['lengths'])):.0f}",
                      f"{rate / (baseline['output_tokens'] / baseline['wall_s']):.2f}"])
     return rows, phases
+
+
+def bench_serve_cmd(device: str, shape: str, concurrency: int | None, constrained: bool = False,
+                    prefill_graphs: bool = True, prefill_hold_tokens: int = 0, only: list[str] | None = None) -> str:
+    """The tables of ``python -m benchmarks.engine --serve``: a tiny model on one core, or a preset shape's random
+    weights on the GPU, through the serving workloads (or, ``constrained``, half of them JSON-constrained)."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    cpu = device == "cpu"
+    c = concurrency or (8 if cpu else 256 if constrained else 1024)
+    if cpu:
+        torch.set_num_threads(1)
+        weights = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=65536, seed=0))
+        title = "Serving loop in-process, tiny model (2 × 128) on one core"
+    else:
+        weights = preset_weights(shape)
+        title = f"Serving loop in-process ({shape}, bf16 weights, fp32 state), {c} slots"
+    engine = LLMEngine(EngineConfig(device=device, max_num_seqs=c, max_num_batched_tokens=max(8192, c),
+                                    prefill_graphs=prefill_graphs, prefill_hold_tokens=prefill_hold_tokens),
+                       weights=weights)
+    if not prefill_graphs:
+        title += ", eager prefill"
+    if prefill_hold_tokens:
+        title += f", new prompts held for {prefill_hold_tokens} tokens"
+    if constrained:
+        rows, phases = bench_constrained(engine, c, 4 * c, prompt_len=16 if cpu else 128,
+                                         free_len=120 if cpu else 256)
+        return (table(title + ": constrained decoding", CONSTRAINED_HEADER, rows) + "\n"
+                + table("Host time per step by phase (ms)", PHASES_HEADER, phases))
+    if cpu:
+        workloads = [Workload(f"{c} concurrent, T=1", c, 2 * c, 16, 32), Workload("1 stream, T=1", 1, 2, 16, 64),
+                     Workload(f"burst: {c} × 64-token prompts", c, c, 64, 4, burst=True)]
+    else:
+        workloads = standard_workloads(c)
+    if only:
+        workloads = [w for w in workloads if any(name in w.name for name in only)]
+        if not workloads:
+            raise SystemExit(f"no workload matches {only}")
+    rows, phases = bench_serve(engine, workloads)
+    return table(title, SERVE_HEADER, rows) + "\n" + table("Host time per step by phase (ms)", PHASES_HEADER, phases)

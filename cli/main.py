@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (or the engine alone)",
                        conflict_handler="resolve")  # its --model: the served model (engine-only: the file)
-    from worker.loadgen.cli import add_bench_args, cmd_bench
+    from benchmarks.loadgen.cli import add_bench_args, cmd_bench
     add_bench_args(p)
     p.set_defaults(func=cmd_bench)
 

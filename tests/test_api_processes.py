@@ -35,7 +35,7 @@ def burst(url: str, connections: int, requests_each: int, while_open=lambda: Non
 
 
 async def _burst(url: str, connections: int, requests_each: int, while_open) -> tuple[dict[int, int], object]:
-    from worker.loadgen.http import Endpoint, Pool
+    from benchmarks.loadgen.http import Endpoint, Pool
 
     endpoint = Endpoint.parse(url + "/v1/requests")
     pool = Pool(endpoint)

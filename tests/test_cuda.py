@@ -299,7 +299,7 @@ def test_constrained_outputs_on_cuda_validate_beside_free_ones(tmp_path):
     from engine.demo import write_demo_model
     from engine.params import SamplingParams
     from engine.sequence import Request
-    from engine.serve_bench import TEN_FIELDS
+    from benchmarks.serve_loop import TEN_FIELDS
     path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
     engine = _cuda_engine(path, dtype="bfloat16")
     spec = {"type": "json_schema", "value": TEN_FIELDS}

@@ -285,9 +285,9 @@ def test_a_higher_priority_request_passes_the_waiting_ones_of_lower_priority(tin
 
 
 def test_serve_bench_runs_only_the_workloads_asked_for(tmp_path):
-    """``engine.bench --serve --workload NAME``: the table holds that workload alone (a GPU bisect of one
+    """``benchmarks.engine --serve --workload NAME``: the table holds that workload alone (a GPU bisect of one
     workload costs seconds, not the whole set); a name that matches nothing is an error."""
-    from engine.bench import main
+    from benchmarks.engine import main
     out = tmp_path / "b.md"
     assert main(["--device", "cpu", "--serve", "--workload", "1 stream", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "workload" not in line]

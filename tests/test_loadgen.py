@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,10 +22,10 @@ import pytest
 
 from tests.queue_helpers import ONE_THREAD, REPO, log_of, start_worker
 from tests.test_api_support import ApiServer, flushed, wait_heartbeat
-from worker.loadgen import metrics as m
-from worker.loadgen.client import _has_choices, send_one
-from worker.loadgen.dataset import arrival_times, length_range, random_requests
-from worker.loadgen.http import Endpoint, Pool
+from benchmarks.loadgen import metrics as m
+from benchmarks.loadgen.client import _has_choices, send_one
+from benchmarks.loadgen.dataset import arrival_times, length_range, random_requests
+from benchmarks.loadgen.http import Endpoint, Pool
 
 KEY = "sk-bench-0123456789"
 WORKER = "loadgen-test-worker"
@@ -234,7 +235,7 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
     """Every request of the run is found in the API's and the worker's logs, and its five parts follow one
     another in time (each ≥ 0 but for the API's millisecond stamps; a request joined with another's log lines,
     or a worker time taken from the wrong origin, breaks the order)."""
-    from worker.loadgen.breakdown import intake_split, main, read_logs, split, worker_split
+    from benchmarks.loadgen.breakdown import intake_split, main, read_logs, split, worker_split
     _, path, result = served
     details = result["details"]
     assert all(rid and rid.startswith("cmpl-") for rid in details["request_id"])
@@ -324,9 +325,9 @@ def test_engine_only_with_a_synthetic_engine(tmp_path):
     assert bad.returncode != 0 and "synthetic" in bad.stderr
 
 
-# -- the Batch API benchmark (python -m worker.loadgen.batch_bench) ------------------------------
+# -- the Batch API benchmark (python -m benchmarks.loadgen.batch_bench) ------------------------------
 
-BATCH_BENCH_TITLE = "Batch API benchmark (issue 14)"
+BATCH_BENCH_TITLE = "Batch API benchmark"
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +352,7 @@ def batch_api(api_url, redis_server):
 
 
 def batch_bench(url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker.loadgen.batch_bench", "--base-url", url, "--api-key", KEY,
+    return subprocess.run([sys.executable, "-m", "benchmarks.loadgen.batch_bench", "--base-url", url, "--api-key", KEY,
                            "--poll-s", "0.2", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -360,7 +361,8 @@ def test_batch_bench_checks_every_line_while_a_trickle_streams(batch_api, tmp_pa
     proc = batch_bench(batch_api, "--num-lines", "12", "--input-len", "8", "--output-len", "6", "--trickle-rate", "4",
                        "--trickle-output-len", "3", "--save-result", str(out), "--out", "-")
     assert proc.returncode == 0, proc.stderr + proc.stdout
-    assert f"## {BATCH_BENCH_TITLE}" in proc.stdout and "| Batch / engine-only (target ≤ 1.1) | – |" in proc.stdout
+    assert "Command: `python -m benchmarks.loadgen.batch_bench" in proc.stdout
+    assert "| Batch / engine-only (target ≤ 1.1) | – |" in proc.stdout
     result = orjson.loads(out.read_bytes())
     assert result["status"] == "completed" and result["config"]["model"] == "tiny-bench"
     assert (result["lines"], result["succeeded"], result["failed"]) == (12, 12, 0)
@@ -391,7 +393,9 @@ def test_batch_bench_ratio_to_the_engine_only_run(batch_api, tmp_path):
     assert result["trickle"] == {"requests": 0, "failed": 0, "ttft_p50_ms": None, "ttft_p99_ms": None, "errors": [],
                                  "timeline": []}
     published = report.read_text()
-    assert f"## {BATCH_BENCH_TITLE}" in published and "python -m worker.loadgen.batch_bench --base-url" in published
+    assert published.startswith(f"## {BATCH_BENCH_TITLE}\n\n<!-- bench:batch -->\n### ")  # the table, then its command
+    assert re.search(r"\nCommand: `python -m benchmarks.loadgen.batch_bench --base-url [^\n]*\n<!-- /bench:batch -->\n$",
+                     published)
     assert "--api-key …" in published and KEY not in published  # the file is committed
     assert f"| Batch / engine-only (target ≤ 1.1) | {result['ratio']:.3f} |" in published
 
@@ -399,7 +403,7 @@ def test_batch_bench_ratio_to_the_engine_only_run(batch_api, tmp_path):
 def test_waves_of_a_closed_loop_are_taken_in_the_order_sent():
     """Requests are grouped by when they were sent, not by their place in the result: a slow first wave and
     quick replacements show as two rows with their own numbers."""
-    from worker.loadgen.breakdown import waves_table
+    from benchmarks.loadgen.breakdown import waves_table
     starts = [0.5, 0.0, 0.6, 0.1, 0.7, 0.2]  # wave 1 = the three sent first, interleaved in the lists
     ttfts = [0.01, 1.0, 0.02, 2.0, 0.03, 3.0]
     text = waves_table({"start": starts, "ttft": ttfts}, 3)

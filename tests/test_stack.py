@@ -85,7 +85,7 @@ def test_volumes_and_ports_line_up():
 
 def test_the_dockerfile_builds_what_compose_runs():
     text = (ROOT / "Dockerfile").read_text()
-    for part in ("api", "worker", "engine", "dashboards", "pyproject.toml"):
+    for part in ("api", "worker", "engine", "cli", "benchmarks", "dashboards", "pyproject.toml"):
         assert f"COPY {part}" in text, part
     assert 'ENTRYPOINT ["gaggle"' in text and "pip install torch==" in text
 

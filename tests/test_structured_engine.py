@@ -110,7 +110,7 @@ def test_matchers_split_over_threads_fill_and_accept_as_one_thread_does():
     import torch
 
     from engine.grammar import Grammars
-    from engine.serve_bench import TEN_FIELDS
+    from benchmarks.serve_loop import TEN_FIELDS
     from engine.tokenizer import WorldTokenizer
     tok = WorldTokenizer.default()
     spec = {"type": "json_schema", "value": TEN_FIELDS}

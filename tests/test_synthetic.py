@@ -72,11 +72,11 @@ def test_two_synthetic_workers_serve_every_request_once(redis_url):
 
 @pytest.mark.slow
 def test_scale_bench_counts_every_token_and_reply_channels_cut_redis_commands():
-    """worker.scale_bench with 2 synthetic workers on one Redis: what the drivers receive is what the workers
+    """benchmarks.scale with 2 synthetic workers on one Redis: what the drivers receive is what the workers
     produced, and reply channels need a fraction of a per-request channel's commands per token (one PUBLISH per
     write for all requests instead of one per request per step). The workers run with CPython's default young
     threshold (a flag passed through): their collections show in the GC column, read from their /metrics."""
-    from worker.scale_bench import run
+    from benchmarks.scale import run
     rows = {shared: run(2, rate=4000, seqs=32, drivers=1, output_len=32, warm_s=2.0, measure_s=3.0, shared=shared,
                         worker_args=["--gc-young-threshold=700"])
             for shared in (False, True)}

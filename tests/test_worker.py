@@ -380,7 +380,7 @@ def test_coalesced_steps_publish_one_merged_delta_per_request(r, redis_url):
 
 
 def test_burst_worker_exits_as_soon_as_the_streams_are_empty(r, redis_url):
-    from worker.bench import NoComputeEngine
+    from benchmarks.queue_overhead import NoComputeEngine
     for i in range(8):
         submit(r, f"b{i}", prompt(i), max_tokens=3)
     w = Worker(NoComputeEngine(4), WorkerConfig(redis_url=redis_url, name="burst"))

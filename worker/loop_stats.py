@@ -3,7 +3,7 @@ did since the last line — steps, their mean wall time and where the step threa
 clock: schedule, launch, wait for the device, grammar, postprocess), tokens generated and prompt tokens taken a
 second, requests started, the time the process spent in garbage collections (every thread's), and what is
 waiting where (engine queue, reader inbox, writer backlog). A served run then shows, in the worker's own log, what
-``engine.bench --serve`` shows in-process."""
+``benchmarks.engine --serve`` shows in-process."""
 
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ class Writer:
         self.end_ops: Callable[[object, tuple | None], list[Op]] = lambda flight, terminal: []
         self.text_ttl_s = c.RESULT_TTL_S  # recorded text lives as long as a result
         self.on_write: Callable[[int, int, float], None] | None = None  # (steps, commands, seconds) per write
-        self.num_commands = 0  # sent so far (commands per generated token: worker.bench)
+        self.num_commands = 0  # sent so far (commands per generated token: benchmarks/queue_overhead.py)
         self._outbox: queue.Queue[list[Op]] = queue.Queue()
         self._unflushed = 0
         self._flushed = threading.Condition()

@@ -7,5 +7,8 @@ the same workload through the engine in this process, the reference for "served 
     client.py      one request (SSE parsed by hand), one client process, the processes together
     engine_only.py the same workload through ``LLMEngine.step()``
     metrics.py     per-request records → the numbers, the table, the saved JSON, the ratio
-    cli.py         the flags and the command
+    cli.py         the flags and the command (``cli/main.py`` registers it as ``gaggle bench``)
+    breakdown.py   a served run's TTFT split part by part from the API's and the workers' logs
+    batch_bench.py the Batch API on a big batch, beside a trickle of streaming requests
+    scale_load.py  the stand-ins for API processes that ``benchmarks/scale.py`` drives Redis with
 """

@@ -1,11 +1,11 @@
-"""``python -m worker.loadgen.batch_bench``: how fast the OpenAI Batch API runs a big batch (issue 14 item 7).
+"""``python -m benchmarks.loadgen.batch_bench``: how fast the OpenAI Batch API runs a big batch.
 
 The target: a 10,000-line batch (128-token prompts, 256 output tokens, ignore_eos) completes in ≤ 1.1 × the
 engine-only time of the same requests, while a trickle of synchronous streaming requests keeps TTFT p50 ≤ 100 ms.
 
     gaggle bench --engine-only --num-prompts 10000 --input-len 128 --output-len 256 --ignore-eos \\
                  --temperature 1.0 --save-result engine.json
-    python -m worker.loadgen.batch_bench --engine-only-result engine.json
+    python -m benchmarks.loadgen.batch_bench --engine-only-result engine.json
 
 The lines are the requests ``gaggle bench`` builds for the same flags (same seed → same prompts).
 """
@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from engine.report import publish, table
-from worker.loadgen.cli import CHAT, COMPLETIONS, build_requests, sampling_fields
-from worker.loadgen.client import build_body
-from worker.loadgen.dataset import random_requests
+from benchmarks.loadgen.cli import CHAT, COMPLETIONS, build_requests, sampling_fields
+from benchmarks.loadgen.client import build_body
+from benchmarks.loadgen.dataset import random_requests
+from benchmarks.report import command_line, publish, table
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
-TITLE = "Batch API benchmark (issue 14)"
+TITLE = "Batch API benchmark"
 TRICKLE_PROMPT_LEN = 32
 PROGRESS_EVERY_S = 5.0
 
@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trickle-output-len", type=int, default=16)
     p.add_argument("--engine-only-result", help="JSON of `gaggle bench --engine-only --save-result` (same workload)")
     p.add_argument("--save-result", help="write every number here (JSON)")
-    p.add_argument("--out", default="BENCHMARKS.md", help="append the table here ('-': print only)")
+    p.add_argument("--out", default="BENCHMARKS.md", help="put the table here ('-': print only)")
+    p.add_argument("--area", default="batch", help="the BENCHMARKS.md block to replace")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between batch status polls")
     p.add_argument("--keep-files", action="store_true", help="keep the uploaded input and the output files")
     return p.parse_args(argv)
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         for file_id in (uploaded.id, batch.output_file_id, batch.error_file_id):
             if file_id:
                 client.files.delete(file_id)
-    publish(TITLE, "worker.loadgen.batch_bench", redacted(sys.argv[1:] if argv is None else argv), render(result),
-            args.out)
+    publish(args.area, command_line("benchmarks.loadgen.batch_bench", redacted(sys.argv[1:] if argv is None else argv)),
+            render(result), args.out, title=TITLE)
     if args.save_result:
         with open(args.save_result, "wb") as f:
             f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2))

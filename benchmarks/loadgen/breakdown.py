@@ -1,8 +1,8 @@
 """Where a served request's time to first token goes: a `gaggle bench --save-detailed` result joined, by request
 id, with the JSON logs of the API and the workers (`gaggle up` writes them under DATA_DIR/logs).
 
-    python -m worker.loadgen.breakdown served.json .gaggle/logs [--out BENCHMARKS.md]
-    python -m worker.loadgen.breakdown engine-only.json     (a closed loop's waves only)
+    python -m benchmarks.loadgen.breakdown served.json .gaggle/logs [--out BENCHMARKS.md]
+    python -m benchmarks.loadgen.breakdown engine-only.json     (a closed loop's waves only)
 
 Each streamed request's client TTFT splits into five consecutive parts (all wall clock, one host):
 client sent → the API built the request (HTTP, parsing, tokenizing) → a worker took it (admission, enqueue, the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from engine.report import publish, table
+from benchmarks.report import command_line, publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
          "→ first token at the API", "→ first token at the client")
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("result", help="a `gaggle bench --save-detailed --save-result` file of a served run")
     ap.add_argument("logs", nargs="*", help="log files, or folders of *.log (the API's and the workers'); without "
                                             "them only the closed loop's waves")
-    ap.add_argument("--out", default="-", help="append the table here ('-' = print only)")
+    ap.add_argument("--out", default="-", help="put the tables here ('-' = print only)")
+    ap.add_argument("--area", default="ttft-breakdown", help="the BENCHMARKS.md block to replace")
     args = ap.parse_args(argv)
     result = orjson.loads(Path(args.result).read_bytes())
     if "details" not in result or "request_id" not in result["details"]:
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if not tables:
         print("breakdown: no logs given and the run was no closed loop: nothing to show", file=sys.stderr)
         return 2
-    publish("TTFT breakdown", "worker.loadgen.breakdown", argv, "\n".join(tables), args.out)
+    publish(args.area, command_line("benchmarks.loadgen.breakdown", argv), "\n".join(tables), args.out,
+            title="TTFT breakdown")
     return 0
 
 

@@ -17,8 +17,8 @@ import time
 
 import orjson
 
-from worker.loadgen import metrics as m
-from worker.loadgen.dataset import BenchRequest, arrival_times, file_requests, random_requests
+from benchmarks.loadgen import metrics as m
+from benchmarks.loadgen.dataset import BenchRequest, arrival_times, file_requests, random_requests
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -104,8 +104,8 @@ def config_of(args: argparse.Namespace, model: str | None) -> dict:
 
 def run_served(args: argparse.Namespace, requests: list[BenchRequest], arrivals: list[float],
                sampling: dict) -> tuple[str, list[m.RequestRecord], float, dict]:
-    from worker.loadgen.client import auth_headers, build_body, first_model, run_clients, send_one
-    from worker.loadgen.http import Endpoint, Pool
+    from benchmarks.loadgen.client import auth_headers, build_body, first_model, run_clients, send_one
+    from benchmarks.loadgen.http import Endpoint, Pool
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
     url = args.base_url.rstrip("/") + args.endpoint
     endpoint = Endpoint.parse(url)
@@ -132,7 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
         sampling = sampling_fields(args)
         if args.engine_only:
-            from worker.loadgen.engine_only import run_engine_only
+            from benchmarks.loadgen.engine_only import run_engine_only
             records, duration = run_engine_only(args, requests, arrivals, args.max_concurrency, sampling)
             model, client, title = args.model, None, "Engine-only Benchmark Result"
         else:

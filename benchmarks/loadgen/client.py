@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import orjson
 
-from worker.loadgen.dataset import BenchRequest
-from worker.loadgen.http import Endpoint, Pool, Response, get_json_bytes
-from worker.loadgen.metrics import RequestRecord
+from benchmarks.loadgen.dataset import BenchRequest
+from benchmarks.loadgen.http import Endpoint, Pool, Response, get_json_bytes
+from benchmarks.loadgen.metrics import RequestRecord
 
 START_DELAY_S = 0.05  # between telling the processes when to start and the start itself
 WHITESPACE = b" \t\r\n"

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from worker.loadgen.dataset import BenchRequest
-from worker.loadgen.metrics import RequestRecord
+from benchmarks.loadgen.dataset import BenchRequest
+from benchmarks.loadgen.metrics import RequestRecord
 
 
 def prompt_ids(tokenizer, req: BenchRequest) -> list[int]:
-    """What the API would queue for this prompt. Chat is rendered with the API's default template
-    (imported here, at the command's level: the engine side of ``worker/`` never needs ``api/``)."""
+    """What the API would queue for this prompt. Chat is rendered with the API's default template (its modules
+    imported only for chat runs)."""
     if req.is_chat:
         from api.prompts import render_chat
         from api.schemas import ChatMessage
@@ -36,13 +36,14 @@ def chat_default_stop() -> list[str]:
 def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arrivals: list[float],
                     max_concurrency: int | None, sampling: dict) -> tuple[list[RequestRecord], float]:
     """Records of every request and the run's duration, after the engine's warm-up and one untimed request."""
+    from engine.args import build_engine, worker_engine_config
     from engine.gc_policy import settle_heap
     from engine.params import SamplingParams
     from engine.sequence import Request
     from engine.synthetic import parse_engine_spec
-    from engine.args import build_engine
 
-    engine, _ = build_engine(args, parse_engine_spec(args.engine))  # as `gaggle worker --engine` builds it
+    synthetic = parse_engine_spec(args.engine)
+    engine = build_engine(worker_engine_config(args, synthetic), synthetic)  # as `gaggle worker` builds it
     engine.warm_up()  # as the worker does before its first heartbeat: no compilation or capture in the timed run
     prompts = [prompt_ids(engine.tokenizer, r) for r in requests]
     stop = chat_default_stop() if requests and requests[0].is_chat else []

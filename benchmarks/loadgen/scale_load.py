@@ -1,4 +1,4 @@
-"""The load of ``python -m worker.scale_bench``: processes that stand in for API processes on Redis (``drive``) and
+"""The load of ``python -m benchmarks.scale``: processes that stand in for API processes on Redis (``drive``) and
 clients that post async requests (``accept_client``). Each runs in a process of its own and reports through a
 multiprocessing queue."""
 
@@ -125,7 +125,7 @@ def accept_client(url: str, concurrency: int, until: float, report) -> None:
     until ``until``; report each answer's status and latency."""
     import asyncio
 
-    from worker.loadgen.http import Endpoint, Pool
+    from benchmarks.loadgen.http import Endpoint, Pool
 
     async def main() -> None:
         endpoint = Endpoint.parse(url + "/v1/requests")

