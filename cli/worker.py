@@ -23,15 +23,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interactive-reserve", type=int, default=None,
                    help="slots that batch lines leave free for synchronous requests (default: a 128th of the slots)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    from worker.writer import HANDOVERS
-    p.add_argument("--writer-handover", choices=HANDOVERS, default="after-launch",
-                   help="when a step's outputs go to the writer thread: once the next step is launched (default), "
-                        "or at once (step-end: the A/B)")
-    from engine.device_timeline import LAUNCHES
-    p.add_argument("--launch", choices=LAUNCHES, default="early",
-                   help="when the next step is launched while the device runs the last: at once (early, the "
-                        "default), or shortly before the device runs out of work, taking the requests that arrive "
-                        "until then into it (just-in-time: a closed loop's replacements start a step sooner)")
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between 'loop stats' log lines (steps, step time by phase, tok/s, queues; 0: none)")
     from engine.gc_policy import YOUNG_THRESHOLD
@@ -67,8 +58,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     cfg = WorkerConfig(redis_url=args.redis_url, name=name,
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
-                       interactive_reserve=args.interactive_reserve, writer_handover=args.writer_handover,
-                       launch=args.launch, log_stats_interval_s=args.log_stats_interval,
+                       interactive_reserve=args.interactive_reserve, log_stats_interval_s=args.log_stats_interval,
                        gc_young_threshold=args.gc_young_threshold)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()

@@ -28,7 +28,6 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import to_device
-from engine.device_timeline import DeviceTimeline
 from engine.phases import PhaseClock
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import SampleOutput
@@ -67,7 +66,6 @@ class LLMEngine:
         self._grammars = None  # engine.grammar.Grammars, made for the first constrained request
         self._mask_rows: list[torch.Tensor] = []  # two host buffers of bitmask rows, used in turn
         self.clock = PhaseClock()  # host seconds per phase of step()
-        self.timeline = DeviceTimeline()  # when the device will be done with what was launched
 
     # -- public API ---------------------------------------------------------------
 
@@ -97,12 +95,6 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._launched is not None
-
-    def launch_slack_s(self) -> float:
-        """How long the next ``step()`` can wait and still launch before the device finishes the step in flight
-        (an estimate that errs early; 0 when nothing is in flight or nothing is known yet): the time a caller can
-        take to gather requests that then join the very next step (engine.device_timeline)."""
-        return self.timeline.slack_s(time.perf_counter()) if self._launched is not None else 0.0
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._sequences
@@ -194,9 +186,9 @@ class LLMEngine:
         ``after_launch``: called once the next step is launched, before waiting for the device — where another
         thread's Python (the worker's writer) costs the loop nothing: started earlier, it takes the GIL from
         the launch, whose every torch call releases it."""
-        started = self.clock.start()
+        self.clock.start()
         previous = self._launched
-        self._launched = self._launch(previous, started)
+        self._launched = self._launch(previous)
         if after_launch is not None:
             after_launch()
         outputs = self._finish_step(previous) if previous is not None else []
@@ -205,7 +197,7 @@ class LLMEngine:
             self._launched = None
         return outputs
 
-    def _launch(self, previous: LaunchedStep | None, started: float) -> LaunchedStep | None:
+    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.clock.lap("schedule")
@@ -213,9 +205,6 @@ class LLMEngine:
         self.runner.admit(batch.admitted)
         self.clock.lap("schedule")
         launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
-        if launched is not None:
-            self.timeline.launched(len(launched.seqs), batch.num_tokens - len(batch.decodes), started,
-                                   time.perf_counter(), after_another=previous is not None)
         self._complete_prefills(batch)
         self.clock.lap("launch")
         return launched
@@ -230,9 +219,7 @@ class LLMEngine:
         """A step's sampled tokens, read once; they move the constrained sequences' matchers."""
         if step.output is None:
             self.clock.lap("launch")  # what was queued before this wait
-            began = time.perf_counter()
             step.output = self.runner.collect(step)
-            self.timeline.collected(began, time.perf_counter())
             self.clock.lap("wait")
             self._advance_matchers(step.seqs, step.output.token_ids)
             self.clock.lap("grammar")

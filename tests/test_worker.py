@@ -234,17 +234,16 @@ def test_a_result_says_when_redis_and_the_reader_had_its_entry(r, redis_url, tin
     assert -0.002 < timings["added_s"] <= timings["read_s"] + 0.001, timings  # Redis's millisecond stamp
 
 
-@pytest.mark.parametrize("handover", ["after-launch", "step-end"])
-def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url, tiny_weights, handover):
-    """Either way the step thread hands outputs to the writer (held until the next launch, or at once), every
-    delta comes, in order, before the final."""
+def test_streaming_gets_every_delta_in_order_and_non_streaming_none(r, redis_url, tiny_weights):
+    """The step thread holds a step's outputs until the next step is launched, then hands them to the writer:
+    every delta comes, in order, before the final."""
     pubsub = r.pubsub()
     pubsub.subscribe(c.out_channel("s"), c.out_channel("q"))
     for _ in range(2):
         pubsub.get_message(timeout=1)  # subscribe confirmations
     submit(r, "s", prompt(3), stream=True, n=2, max_tokens=12, temperature=1.0, seed=5)
     submit(r, "q", prompt(4), max_tokens=12)
-    InProcessWorker(tiny_weights, redis_url, writer_handover=handover).worker.run(burst=True)
+    InProcessWorker(tiny_weights, redis_url).worker.run(burst=True)
     messages = {"s": [], "q": []}
     while (msg := pubsub.get_message(timeout=1)) is not None:
         if msg["type"] == "message":

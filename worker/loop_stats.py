@@ -31,14 +31,9 @@ class LoopStats:
 
     def _reset_counts(self) -> None:
         self.step_s = 0.0
-        self.hold_s = 0.0
         self.tokens = 0
         self.prompt_tokens = 0
         self.requests = 0
-
-    def on_hold(self, seconds: float) -> None:
-        """The step thread held a launch back (just-in-time launch), taking arrivals."""
-        self.hold_s += seconds
 
     def on_step(self, seconds: float, tokens: int) -> None:
         self.step_s += seconds
@@ -76,7 +71,6 @@ class LoopStats:
                 "tokens": self.tokens, "tok_s": round(self.tokens / elapsed, 1),
                 "prompt_tokens": self.prompt_tokens, "prompt_tok_s": round(self.prompt_tokens / elapsed, 1),
                 "requests": self.requests}
-        line["hold_ms"] = round(1e3 * self.hold_s / max(1, steps), 3)  # launches held back, taking arrivals
         for phase in PHASES:  # the step thread's time a step, by phase
             spent = self.clock.seconds[phase] - self._phases.get(phase, 0.0)
             line[f"{phase}_ms"] = round(1e3 * spent / max(1, steps), 3)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import redis
 
-from engine.device_timeline import LAUNCHES
 from engine.engine import LLMEngine
 from engine.gc_policy import YOUNG_THRESHOLD, GcClock, settle_heap
 from engine.phases import PhaseClock
@@ -30,12 +29,10 @@ from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
 from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
 from worker.results import InFlight
-from worker.writer import HANDOVERS
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
-MIN_HOLD_S = 5e-4  # a launch is held back only when the device leaves at least this long
 
 
 def unique_worker_name(device: str = "") -> str:
@@ -53,15 +50,8 @@ class WorkerConfig:
     result_ttl_s: int = c.RESULT_TTL_S
     deadline_check_interval_s: float = 0.5
     interactive_reserve: int | None = None  # slots batch lines leave free for sync requests (None: slots // 128)
-    # when a step's outputs go to the writer thread: "after-launch" (once the next step is launched: the
-    # writer's Python runs while this thread waits for the device) or "step-end" (at once; for A/B runs)
-    writer_handover: str = "after-launch"
     log_stats_interval_s: float = 10.0  # the "loop stats" log line (worker.loop_stats); 0: never
     gc_young_threshold: int = YOUNG_THRESHOLD  # engine/gc_policy.py
-    # when the next step is launched while the device runs the last: "early" (at once) or "just-in-time"
-    # (shortly before the device would run out of work, taking the requests that arrive until then into it;
-    # engine/device_timeline.py). Early stays the default until an H200 A/B says otherwise (.gpu/i.sh).
-    launch: str = "early"
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -70,10 +60,6 @@ class WorkerConfig:
             raise ValueError("max_deliveries must be >= 1")
         if self.gc_young_threshold < 1:  # 0 would turn the collector off: cycles would never be freed
             raise ValueError("gc_young_threshold must be >= 1")
-        if self.launch not in LAUNCHES:
-            raise ValueError(f"launch must be one of {LAUNCHES}, got {self.launch!r}")
-        if self.writer_handover not in HANDOVERS:
-            raise ValueError(f"writer_handover must be one of {HANDOVERS}, got {self.writer_handover!r}")
 
 
 class Worker:
@@ -100,7 +86,6 @@ class Worker:
         self._next_deadline_check = 0.0
         self._tokens_per_s = 0.0
         self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
-        self._hold_outputs = cfg.writer_handover == "after-launch"
         self.gc_clock = GcClock()
         self.stats = None if engine is None else LoopStats(  # engines without a phase clock report no phases
             cfg.name, cfg.log_stats_interval_s, getattr(engine, "clock", None) or PhaseClock(), self._gauges,
@@ -133,7 +118,7 @@ class Worker:
         settle_heap(self.cfg.gc_young_threshold)
         self.io.start()
         log.info("worker started", extra={"worker": self.cfg.name, "device": self.device,
-                                          "slots": self.engine.num_slots, "burst": burst, "launch": self.cfg.launch})
+                                          "slots": self.engine.num_slots, "burst": burst})
         try:
             while not self.stop_now:
                 if self.stats is not None:
@@ -145,7 +130,6 @@ class Worker:
                 self._expire_deadlines()
                 self._update_capacity()  # after the intake: the reader reads while the step runs
                 if self.engine.has_work():
-                    self._take_until_launch()
                     self._step()
                     continue
                 self.writer.release()  # no next launch to wait for
@@ -198,28 +182,6 @@ class Worker:
     def _is_idle(self) -> bool:
         return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight and not self.compiling
                 and self.writer.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
-
-    def _take_until_launch(self) -> None:
-        """Just-in-time launch: while the device still has work for a while, take the requests that arrive (in a
-        closed loop, the replacements of the requests that just finished) so that the next step starts them,
-        not the one after it. Only when there are slots for them (and not draining: no new entries come); the
-        held outputs go to the writer first (they are what the clients wait for, and the writer's Python runs
-        while this thread sleeps)."""
-        if (self.cfg.launch != "just-in-time" or self.draining or self._quarantine
-                or self.engine.num_free_slots == 0):
-            return
-        slack = self.engine.launch_slack_s()
-        if slack < MIN_HOLD_S:
-            return
-        t0 = time.perf_counter()
-        deadline = t0 + slack
-        self.writer.release()
-        while (left := deadline - time.perf_counter()) > 0:
-            item = self.reader.take(timeout=left)
-            if item is not None:
-                self._accept(item)
-        if self.stats is not None:
-            self.stats.on_hold(time.perf_counter() - t0)
 
     def _wait_for_input(self) -> None:
         item = self.reader.take(timeout=0.02)
@@ -370,9 +332,8 @@ class Worker:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        after_launch = self.writer.release if self._hold_outputs else None
         try:
-            outputs = self.engine.step(after_launch=after_launch)
+            outputs = self.engine.step(after_launch=self.writer.release)
         except Exception as e:
             self._on_step_failure(e)
             return
@@ -380,11 +341,7 @@ class Worker:
         # The writer thread folds the outputs into their requests and encodes them, once the next step is
         # launched (Writer.hold); here only what the loop itself needs: which requests the engine finished.
         if outputs:
-            ops = [Outputs(outputs, time.time())]
-            if self._hold_outputs:
-                self.writer.hold(ops)
-            else:
-                self.writer.submit(ops)
+            self.writer.hold([Outputs(outputs, time.time())])
         inflight, tokens = self.inflight, 0
         for out in outputs:
             tokens += len(out.token_ids)

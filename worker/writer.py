@@ -170,11 +170,6 @@ def _publishes(messages) -> list[bytes]:
     return out
 
 
-# when the step thread hands a step's outputs over (WorkerConfig.writer_handover): once the next step is
-# launched (Writer.hold, then release), or at once (submit; kept for A/B runs)
-HANDOVERS = ("after-launch", "step-end")
-
-
 class Writer:
     def __init__(self, redis_url: str, name: str, forget: Callable[[bytes], None]):
         self.name = name
