@@ -3,7 +3,7 @@
     admit (queue depth, live workers) → subscribe + wait for the confirmation → record + XADD
     → stream deltas as SSE (``api.streaming``), or wait for the final result (and the client's disconnect)
 
-Waiting itself (messages until a deadline, cancelling, unrouting) is ``api.replies``', which the SSE sessions
+Waiting itself (messages until a deadline, cancelling, unrouting) is ``api.replies``, which the SSE sessions
 share: they are given it, they do not reach back into this service.
 """
 
@@ -108,8 +108,9 @@ class GenerationService:
 
     async def respond(self, job: Job, request: Request, session: Callable[..., StreamSession] = StreamSession,
                       render: Callable[[list[c.Result]], dict] | None = None) -> Response:
-        """The answer to a sync request: streamed by ``session`` (its chunks framed as it frames them), or the
-        whole object (``render`` of the results; the endpoint's own object by default)."""
+        """The answer to a sync request: streamed by ``session`` (its chunks framed as it frames them; made with
+        the replies, the job, its inbox, the tokenizer and the metrics), or the whole object (``render`` of the
+        results; the endpoint's own object by default)."""
         await self.admit(job)
         inbox: asyncio.Queue = asyncio.Queue()
         await self.submit(job, inbox)
