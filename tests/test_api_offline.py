@@ -82,38 +82,6 @@ def test_import_api_main_leaves_torch_out():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_api_modules_import_one_another_without_a_circle():
-    """Two modules that import each other are one idea split wrongly, or a callback that wants to be a parameter.
-    Every import counts: at module level, in a function, under TYPE_CHECKING."""
-    import ast
-    from pathlib import Path
-    root = Path(REPO)
-    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
-             for f in (root / "api").rglob("*.py")}
-    graph = {}
-    for module, path in files.items():
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
-        graph[module] = {n for n in names if n in files and n != module and not module.startswith(n + ".")}
-
-    def on_a_circle(start: str) -> bool:
-        seen, todo = set(), list(graph[start])
-        while todo:
-            m = todo.pop()
-            if m == start:
-                return True
-            if m not in seen:
-                seen.add(m)
-                todo += graph[m]
-        return False
-    circles = sorted(m for m in graph if on_a_circle(m))
-    assert not circles, f"modules on an import circle: {circles}"
-
-
 def test_sampling_params_cross_the_wire_and_a_broken_limit_names_its_field():
     from engine.params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_BYTES, ParamError, SamplingParams
     params = SamplingParams(max_tokens=5, min_tokens=2, logit_bias={7: -1.5}, stop="x", seed=3, logprobs=1,
