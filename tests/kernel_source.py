@@ -1,6 +1,6 @@
 """The sampling kernel as Triton's compiler takes it without a GPU (an ASTSource for sm_90 code generation): a
-variant's stages, the vocabulary's size and launch shape, 16-byte aligned pointers. Used by the compile test and by
-.gpu/regs.py (registers and spills a variant)."""
+variant's stages, the vocabulary's size and launch shape, 16-byte aligned pointers. Used by the compile test (and
+to read a variant's registers and spills with ptxas)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def sample_kernel_source(stages: dict[str, bool], vocab_size: int = 65536):
     from triton.compiler import ASTSource
     stages = {"BAND": stages.get("FILTER", False), **stages}
 
-    from engine.cuda.sampling import _sample_kernel, config_for
+    from engine.cuda.sampling import config_for
+    from engine.cuda.sampling.kernel import _sample_kernel
     names = list(inspect.signature(_sample_kernel.fn).parameters)
     signature = {n: f"*{POINTERS[n]}" if n in POINTERS else "constexpr" if n in ("V", "CAP", "BLOCK", *stages)
                  else "i32" for n in names}

@@ -9,9 +9,11 @@ import sys
 
 import torch
 
-from engine.cuda.sampling import config_for, counter_hash_rows, counter_hash_rows_ref, sample_rows, sample_rows_ref
+from engine.cuda.sampling import (config_for, counter_hash_rows, counter_hash_rows_ref, has_band, sample_rows,
+                                  sample_rows_ref)
 from engine.params import SamplingParams as P
-from engine.sampler import Sampler, seed_key
+from engine.sample_torch import seed_key
+from engine.sampler import Sampler
 
 MIXES = [P(temperature=0.0), P(temperature=1.0), P(temperature=1.0, top_p=0.9), P(temperature=0.8, top_k=50),
          P(temperature=1.0, min_p=0.05), P(temperature=0.7, top_k=40, top_p=0.95, logprobs=20),
@@ -50,7 +52,7 @@ def check_hash() -> None:
     counters = torch.tensor([0, 1, 2 ** 31 + 7, 2 ** 32 - 1])
     h, log_e = counter_hash_rows(keys, counters, 700)
     want_h, want_log_e = counter_hash_rows_ref(keys, counters, 700)
-    assert torch.equal(h, want_h), "the kernel's counter hash differs from engine.sampler.counter_hash"
+    assert torch.equal(h, want_h), "the kernel's counter hash differs from engine.sample_torch.counter_hash"
     assert torch.allclose(log_e, want_log_e, rtol=1e-5, atol=1e-6), (log_e - want_log_e).abs().max()
 
 
@@ -107,9 +109,8 @@ def check_recording(vocab: int = 1000) -> None:
 
 
 def check_batch_invariance(vocab: int = 1000) -> None:
-    """One sequence's tokens alone, among neighbours, at other rows and batch sizes (past FEW_FILTERED too: with
-    FILTER_WIDE the smaller ones run wide programs), and with programs looping over several rows each: always
-    the same."""
+    """One sequence's tokens alone, among neighbours, at other rows and batch sizes (past FEW_FILTERED too: the
+    smaller ones run wide programs), and with programs looping over several rows each: always the same."""
     target = P(temperature=0.9, top_p=0.7, top_k=300)
     gen = torch.Generator().manual_seed(3)
     seq = [torch.randn(vocab, generator=gen) * 2 for _ in range(2)]
@@ -168,10 +169,9 @@ def check_exact_rows_across_shapes(vocab: int = 1000) -> None:
                                # bias and ban entries past the split race's first segment (each program writes its own)
                                (P(temperature=1.0, logit_bias={700: 6.0, 300: 2.0}, min_tokens=2,
                                   stop_token_ids=[600, 5]), processed)):
-        with_prepare = target.needs_penalties or bool(target.logit_bias)  # (the ban comes with a bias here)
         shapes = {}
         for n in range(1, 64):  # the smallest batch of each shape, and one past the last switch
-            shapes.setdefault(config_for(vocab, n, exact=True, plain=not with_prepare), n)
+            shapes.setdefault(config_for(vocab, n, exact=True), n)
         batches = sorted(shapes.values()) + [max(shapes.values()) + 3]
         assert len(batches) >= 4, shapes  # split, wide, small, and past the last switch
         gen = torch.Generator().manual_seed(8)
@@ -239,29 +239,23 @@ def check_three_in_a_lane(vocab: int = 1000) -> None:
 
 
 def check_without_the_band(vocab: int = 1000) -> None:
-    """``BAND_VARIANTS``: a step without top_k rows runs a filter variant without the lane band. Every mix (top_k
-    rows too, which then search) in that variant and in the one with the band: the twin's tokens, every kind of
-    row."""
+    """A step without top_k rows runs a filter variant without the lane band. Every mix (top_k rows too, which
+    then search) in that variant and in the one with the band: the twin's tokens, every kind of row."""
     import dataclasses
 
-    import engine.cuda.sampling as kernel
-    saved, kernel.BAND_VARIANTS = kernel.BAND_VARIANTS, True
-    try:
-        sampler = admit(vocab, MIXES)
-        gen = torch.Generator().manual_seed(6)
-        with_band = sampler._features()
-        assert with_band.top_k and kernel._has_band(with_band)
-        without = dataclasses.replace(with_band, top_k=False)
-        assert without.filtered and not kernel._has_band(without)
-        for kind, rows in ROWS.items():
-            logits = rows(len(MIXES), vocab, gen)
-            slots = torch.randperm(len(MIXES), generator=gen)
-            want = sample_rows_ref(logits, slots, sampler.tables, with_band).tokens.tolist()
-            for f in (with_band, without):
-                got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel).tokens.tolist()
-                assert got == want, (kind, kernel._has_band(f), got, want)
-    finally:
-        kernel.BAND_VARIANTS = saved
+    sampler = admit(vocab, MIXES)
+    gen = torch.Generator().manual_seed(6)
+    with_band = sampler._features()
+    assert with_band.top_k and has_band(with_band)
+    without = dataclasses.replace(with_band, top_k=False)
+    assert without.filtered and not has_band(without)
+    for kind, rows in ROWS.items():
+        logits = rows(len(MIXES), vocab, gen)
+        slots = torch.randperm(len(MIXES), generator=gen)
+        want = sample_rows_ref(logits, slots, sampler.tables, with_band).tokens.tolist()
+        for f in (with_band, without):
+            got = sample_rows(logits, slots, sampler.tables, f, sampler._kernel).tokens.tolist()
+            assert got == want, (kind, has_band(f), got, want)
 
 
 def check_twin_on_every_kind() -> None:

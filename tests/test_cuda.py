@@ -528,7 +528,7 @@ def test_exact_rows_take_one_token_in_every_launch_shape(kind):
     row = torch.randn(65536, device=DEVICE, generator=gen) * 3
     shapes, tokens, agree, total = set(), set(), 0, 0
     for batch in (1, SPLIT_ROWS, FEW_ROWS, 1024):
-        shapes.add(config_for(65536, batch, exact=True, plain=kind == "plain"))
+        shapes.add(config_for(65536, batch, exact=True))
         sampler = admitted_sampler([params] * batch)
         sampler.reset_slot(batch - 1, params, seed=99, prompt_token_ids=[1])
         logits = torch.randn(batch, 65536, device=DEVICE, generator=gen)
@@ -605,7 +605,8 @@ def test_plain_greedy_argmax_path_equals_the_kernel():
     and the same counters."""
     from engine.cuda.sampling import sample_rows
     from engine.params import SamplingParams
-    from engine.sampler import Features, Sampler
+    from engine.sample_layout import Features
+    from engine.sampler import Sampler
     fast, kernel = Sampler(64, 65536, "cuda"), Sampler(64, 65536, "cuda")
     for s in (fast, kernel):
         for slot in range(64):

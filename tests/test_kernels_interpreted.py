@@ -72,12 +72,12 @@ def test_sampling_kernel_compiles_for_hopper():
     src, num_warps = sample_kernel_source({"FILTER": False, "LOGPROBS": False, "PREPARE": True})  # one-pass processed
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
     assert "cp.async" in ptx
-    from engine.cuda.sampling import _race_finish_kernel, _race_split_kernel  # the split race, for few exact rows
+    from engine.cuda.sampling.split import _race_finish_kernel, _race_split_kernel  # the split race: few exact rows
     split = {"logits": "*fp32", "V": "i32", "stride": "i32", "slots": "*i64", "fparams": "*fp32", "iparams": "*i64",
              "generated": "*i64", "best": "*i64", "vkeys": "*i32", "bias_ids": "*i64", "bias_vals": "*fp32",
              "bias_w": "i32", "ban_ids": "*i64", "ban_w": "i32", "counts": "*i32", "in_prompt": "*u8",
-             "has_penalty_state": "i32", "masks": "*i32", "mask_w": "i32", "has_masks": "i32", "scratch": "*fp32", "PREPARE": "constexpr",
-             "SEGMENT": "constexpr", "BLOCK": "constexpr"}
+             "has_penalty_state": "i32", "masks": "*i32", "mask_w": "i32", "has_masks": "i32", "scratch": "*fp32",
+             "PREPARE": "constexpr", "SEGMENT": "constexpr", "BLOCK": "constexpr"}
     for prepare in (False, True):  # plain rows, and rows processed segment by segment
         ptx = triton.compile(ASTSource(fn=_race_split_kernel, signature=split,
                                        constexprs={"PREPARE": prepare, "SEGMENT": 2048, "BLOCK": 1024}),

@@ -1,4 +1,5 @@
-"""Tests for engine.sampler: semantics against per-row references, RNG properties."""
+"""Tests for engine.sampler and its torch path (engine.sample_torch): semantics against per-row references, RNG
+properties."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.sampler import (F_INV_TEMPERATURE, Admission, F_LOG_MIN_P, F_TOP_P, I_TOP_K, DeviceSample, Sampler, SlotTables,
-                            counter_hash, exponential_noise, mix32, race, sample_candidates, seed_key, vocab_keys)
+from engine.sample_layout import F_INV_TEMPERATURE, F_LOG_MIN_P, F_TOP_P, I_TOP_K, DeviceSample, Features, SlotTables
+from engine.sample_torch import counter_hash, exponential_noise, mix32, race, sample_candidates, seed_key, vocab_keys
+from engine.sampler import Admission, Sampler
 
 
 # ----------------------------------------------------------------- helpers
@@ -535,8 +537,8 @@ def full_sort_nucleus(t: SlotTables, scaled: torch.Tensor, slots: torch.Tensor) 
 def test_candidate_sampling_equals_full_sort(monkeypatch, candidates):
     """top_k/top_p on the largest logits first (falling back to the full sort for rows whose nucleus is wider)
     picks exactly the token the full sort + race over the whole vocabulary picks, and only allowed tokens."""
-    import engine.sampler as sampler_module
-    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", candidates)
+    import engine.sample_torch as torch_path
+    monkeypatch.setattr(torch_path, "TOP_CANDIDATES", candidates)
     vocab = 4096
     params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=2),  # scale 0.5 below: a wide nucleus
               SamplingParams(temperature=0.7, top_p=0.5),
@@ -648,7 +650,6 @@ def test_plain_greedy_batches_take_the_argmax_path_and_still_record() -> None:
     """Every occupied slot greedy with nothing else: the argmax path (ties to the lowest id, as the kernel);
     counters advance (penalty counts do not: no live slot has penalties, and a slot's counts start at zero when
     it is admitted); one sampled, biased or logprobs slot sends the step back to the full path."""
-    from engine.sampler import Features
     sampler = Sampler(4, 64)
     for slot in range(3):
         sampler.reset_slot(slot, SamplingParams(temperature=0.0), seed=slot, prompt_token_ids=[1])
