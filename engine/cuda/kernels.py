@@ -332,7 +332,7 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxs, sxg, sxm, sos, sog, som,
 
 
 _small_matmul_tuned = triton.autotune(
-    # H200, 1.5B shapes (python -m engine.cuda.matmul_sweep): 64 output rows × 128-wide K steps per program,
+    # H200, 1.5B shapes (python -m benchmarks.matmul_sweep): 64 output rows × 128-wide K steps per program,
     # split-K where a launch would leave SMs idle, stream 1.8-3.3 TB/s; 16 × 256 without split: 1.3-3.1
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
              for n, k, s, w in ((64, 128, 3, 4), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4),
