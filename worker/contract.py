@@ -558,9 +558,7 @@ class Heartbeat:
     @classmethod
     def decode(cls, data: bytes | str) -> "Heartbeat":
         """Fields a newer worker adds are ignored, ones an older worker lacks take their defaults."""
-        obj = loads_versioned(data)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in obj.items() if k in known})
+        return _decode_known_fields(cls, data)
 
 
 @dataclass
@@ -596,6 +594,11 @@ class WarmupStatus:
 
     @classmethod
     def decode(cls, data: bytes | str) -> "WarmupStatus":
-        obj = loads_versioned(data)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in obj.items() if k in known})
+        return _decode_known_fields(cls, data)
+
+
+def _decode_known_fields(cls, data: bytes | str):
+    """A versioned message as ``cls``: fields a newer writer adds are ignored, ones an older lacks default."""
+    obj = loads_versioned(data)
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in obj.items() if k in known})
