@@ -24,10 +24,6 @@ class StageProgress:
     done: int
     total: int
 
-    @property
-    def percent(self) -> int:
-        return 100 * self.done // self.total if self.total else 0
-
     def describe(self) -> str:
         return f"{self.name} {self.done}/{self.total}"
 
@@ -38,10 +34,11 @@ class WarmupSnapshot:
     elapsed_s: float
     finished: tuple[str, ...] = ()  # stages done so far
 
-    def describe(self) -> str:
-        """``prefill graphs 40/85 · sampler kernels 7/16 · 38 s``"""
+    def describe(self, elapsed_s: float | None = None) -> str:
+        """``prefill graphs 40/85 · sampler kernels 7/16 · 38 s`` (``elapsed_s``: a later clock's reading, for a
+        snapshot repeated while nothing changes)."""
         parts = [s.describe() for s in self.stages] or ["starting"]
-        return " · ".join(parts + [f"{self.elapsed_s:.0f} s"])
+        return " · ".join(parts + [f"{self.elapsed_s if elapsed_s is None else elapsed_s:.0f} s"])
 
 
 Listener = Callable[[WarmupSnapshot], None]

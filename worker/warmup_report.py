@@ -53,11 +53,8 @@ class WarmupReporter:
 
     def _print(self, snapshot: WarmupSnapshot) -> None:
         self._printed_stages, self._printed_at = tuple(s.name for s in snapshot.stages), time.monotonic()
-        print(f"{self.label}: warming up · {self._describe(snapshot)}", file=self.stream, flush=True)
-
-    def _describe(self, snapshot: WarmupSnapshot) -> str:
-        parts = [s.describe() for s in snapshot.stages] or ["starting"]
-        return " · ".join(parts + [f"{time.monotonic() - self._t0:.0f} s"])
+        print(f"{self.label}: warming up · {snapshot.describe(time.monotonic() - self._t0)}", file=self.stream,
+              flush=True)
 
     def close(self) -> None:
         """Stop refreshing and withdraw the key: the heartbeat says the rest."""
