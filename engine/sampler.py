@@ -272,11 +272,8 @@ class Sampler:
         torch path."""
         if self._kernel is None:
             return
-        from engine.cuda.sampling import warm_up
-        if threads is None:
-            warm_up(self.tables, self._kernel, batch_sizes)
-        else:
-            warm_up(self.tables, self._kernel, batch_sizes, threads=threads)
+        from engine.cuda.sampling import WARM_UP_THREADS, warm_up
+        warm_up(self.tables, self._kernel, batch_sizes, threads=threads or WARM_UP_THREADS)
 
     def warm_up_in_background(self, batch_sizes: Sequence[int], progress: WarmupProgress) -> Future:
         """``warm_up`` in a thread of its own, compiling over all the host's cores, while the caller warms up the
