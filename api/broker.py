@@ -182,34 +182,28 @@ class Broker:
             return self._workers
 
     async def _read_heartbeats(self) -> list[c.Heartbeat]:
-        recent = time.time() - c.WORKER_REGISTRY_RETENTION_S  # the heartbeat keys' TTLs decide who is alive
-        names = await self.redis.zrangebyscore(c.WORKER_REGISTRY, recent, "+inf")
+        # the heartbeat keys' TTLs decide who is alive
+        return await self._read_registry(c.WORKER_REGISTRY, c.WORKER_REGISTRY_RETENTION_S, c.heartbeat_key,
+                                         c.Heartbeat)
+
+    async def _read_registry(self, registry: str, retention_s: float, key_of, message_type) -> list:
+        """The messages under the keys of the names that ``registry`` (a zset name -> last report time) saw in
+        the last ``retention_s`` seconds; expired keys are skipped, undecodable ones logged."""
+        names = await self.redis.zrangebyscore(registry, time.time() - retention_s, "+inf")
         if not names:
             return []
-        keys = [c.heartbeat_key(n.decode() if isinstance(n, bytes) else n) for n in names]
-        beats = []
-        for data in await self.redis.mget(keys):
-            if data:  # expired between SCAN and MGET
+        messages = []
+        for data in await self.redis.mget([key_of(n.decode() if isinstance(n, bytes) else n) for n in names]):
+            if data:  # expired between ZRANGEBYSCORE and MGET
                 try:
-                    beats.append(c.Heartbeat.decode(data))
+                    messages.append(message_type.decode(data))
                 except (c.SchemaError, TypeError) as e:
-                    log.warning("undecodable heartbeat", extra={"error": str(e)})
-        return beats
+                    log.warning("undecodable registry entry", extra={"registry": registry, "error": str(e)})
+        return messages
 
     async def warming_workers(self) -> list[c.WarmupStatus]:
         """Workers still warming up (fresh ``warming:<name>`` keys), oldest report first."""
-        recent = time.time() - c.WARMING_TTL_S
-        names = await self.redis.zrangebyscore(c.WARMING_REGISTRY, recent, "+inf")
-        if not names:
-            return []
-        statuses = []
-        for data in await self.redis.mget([c.warming_key(n.decode()) for n in names]):
-            if data:
-                try:
-                    statuses.append(c.WarmupStatus.decode(data))
-                except (c.SchemaError, TypeError) as e:
-                    log.warning("undecodable warm-up status", extra={"error": str(e)})
-        return statuses
+        return await self._read_registry(c.WARMING_REGISTRY, c.WARMING_TTL_S, c.warming_key, c.WarmupStatus)
 
     async def tenants(self) -> list[str]:
         """Tenants that ever queued a request (their streams), cached for TENANTS_CACHE_S."""
