@@ -171,11 +171,12 @@ class LLMEngine:
         log.info("request aborted", extra={"request_id": request_id, "freed_slots": len(removed)})
         return True
 
-    def warm_up(self, progress: WarmupProgress | None = None) -> float:
+    def warm_up(self, progress: WarmupProgress | None = None, retune: bool = False) -> float:
         """Compile, autotune and capture what serving can need, before the first request, reporting each stage to
-        ``progress``; the seconds it took."""
+        ``progress``; the seconds it took. ``retune``: time every autotune candidate, ignoring the choices
+        shipped for this GPU."""
         t0 = time.perf_counter()
-        self.runner.warm_up(self.config.max_num_batched_tokens, progress)
+        self.runner.warm_up(self.config.max_num_batched_tokens, progress, retune=retune)
         seconds = time.perf_counter() - t0
         log.info("engine warmed up", extra={"seconds": round(seconds, 2), "backend": self.runner.backend})
         return seconds

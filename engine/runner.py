@@ -49,6 +49,7 @@ class ModelRunner:
         # each slot's last sampled token: the next decode's input, never through the host
         self.last_tokens = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
         self.step_events: list | None = None  # set to a list: (start, end) CUDA events of each launched step
+        self.tunings: list = []  # autotune choices made at warm-up (engine.cuda.autotune.Tuning)
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
                                               "dtype": str(self.dtype), "num_slots": self.num_slots,
                                               "state_bytes_per_seq": self.state_bytes_per_seq})
@@ -92,13 +93,15 @@ class ModelRunner:
         self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
                                  self.eos_token_ids, slot_index=slots)
 
-    def warm_up(self, max_prefill_tokens: int, progress: WarmupProgress | None = None) -> None:
+    def warm_up(self, max_prefill_tokens: int, progress: WarmupProgress | None = None, retune: bool = False) -> None:
         """Everything a step can compile, autotune or capture, done now, reported stage by stage. Uses free slots
         and leaves them zeroed. On the reference path nothing compiles: one real step checks the model instead.
 
         On CUDA the stages overlap: the sampler's kernels compile (and run once) in threads of their own while
-        the model's kernels compile and tune (eager runs, autotuners compiling their configs at once), then while
-        the model's graphs are captured (thread-local capture mode: other threads' launches do not break it)."""
+        the model's kernels compile and tune (eager runs; autotuners take the choices shipped for this GPU, or
+        compile their configs at once and time them: ``retune`` ignores the shipped ones), then while the model's
+        graphs are captured (thread-local capture mode: other threads' launches do not break it). Each tuning
+        made lands in ``self.tunings``."""
         progress = progress or WarmupProgress()
         slots = list(range(min(8, self.num_slots)))
         if self.backend == "reference":
@@ -107,13 +110,16 @@ class ModelRunner:
                 self.pool.reset(to_device(slots[:1], torch.long, self.device))
                 progress.advance("checking the model")
             return
-        from engine.cuda.autotune import parallel_autotuning
+        from engine.cuda.autotune import TunedConfigs, current_device_table, parallel_autotuning
         graphs = getattr(self.model, "graphs", None)
         prefill_graphs = getattr(self.model, "prefill_graphs", None)
         batch_sizes = graphs.sizes if graphs is not None else [1, self.num_slots]
         sampler_warm_up = self.sampler.warm_up_in_background(batch_sizes, progress)
-        with parallel_autotuning():
+        shipped = TunedConfigs() if retune else current_device_table()
+        with parallel_autotuning(shipped=shipped, record=self.tunings):
             self._compile_model(slots, max_prefill_tokens, graphs, prefill_graphs, progress)
+        log.info("autotuning", extra={s: sum(t.source == s for t in self.tunings)
+                                      for s in ("shipped", "tuned", "cached")})
         if graphs is not None:
             sizes = [bs for bs in reversed(graphs.sizes) if bs not in graphs.graphs]  # largest first: one pool
             with progress.stage("capturing decode graphs", len(sizes)):

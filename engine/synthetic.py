@@ -61,7 +61,7 @@ class SyntheticRunner:
     def admit(self, seqs: list[Sequence]) -> None:
         pass
 
-    def warm_up(self, max_prefill_tokens: int, progress=None) -> None:
+    def warm_up(self, max_prefill_tokens: int, progress=None, retune: bool = False) -> None:
         pass
 
     def launch(self, batch: SchedulerOutput, before_sample=None) -> LaunchedStep | None:
