@@ -124,13 +124,13 @@ class ModelRunner:
             sizes = [bs for bs in reversed(graphs.sizes) if bs not in graphs.graphs]  # largest first: one pool
             with progress.stage("capturing decode graphs", len(sizes)):
                 for bs in sizes:
-                    graphs.capture(bs)
+                    graphs.capture(bs, compiled=True)
                     progress.advance("capturing decode graphs")
         if prefill_graphs is not None:
             buckets = prefill_graphs.uncaptured()
             with progress.stage("capturing prefill graphs", len(buckets)):
                 for b in buckets:
-                    prefill_graphs.capture(b)
+                    prefill_graphs.capture(b, compiled=True)
                     progress.advance("capturing prefill graphs")
         sampler_warm_up.result()  # a compile error is raised here
         torch.cuda.synchronize(self.device)

@@ -65,10 +65,12 @@ class DecodeGraphs:
         return batch <= self.max_bs
 
     @torch.inference_mode()
-    def capture(self, bs: int) -> None:
-        """Capture one bucket (lazily, on its first use); all buckets share one memory pool."""
+    def capture(self, bs: int, compiled: bool = False) -> None:
+        """Capture one bucket (lazily, on its first use); all buckets share one memory pool. An eager step first
+        compiles and autotunes, unless ``compiled`` (the warm-up ran one of this size already)."""
         t0 = time.perf_counter()
-        self.run_eager(bs)
+        if not compiled:
+            self.run_eager(bs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self._pool):

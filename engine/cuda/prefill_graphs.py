@@ -142,11 +142,14 @@ class PrefillGraphs:
         return next((b for b in self.buckets[start:] if b.seqs >= num_seqs), None)
 
     @torch.inference_mode()
-    def capture(self, b: PrefillBucket) -> bool:
-        """Capture one bucket (at warm-up, or lazily on first use): an eager run first compiles and autotunes.
-        A capture that fails (a library call that may not be captured) leaves the bucket eager; False."""
+    def capture(self, b: PrefillBucket, compiled: bool = False) -> bool:
+        """Capture one bucket (at warm-up, or lazily on first use): an eager run first compiles and autotunes,
+        unless ``compiled`` (the warm-up's eager runs of every token count already did: a capture costs one
+        forward's launches instead of two). A capture that fails (a library call that may not be captured)
+        leaves the bucket eager; False."""
         t0 = time.perf_counter()
-        self._run_eager(b)
+        if not compiled:
+            self._run_eager(b)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:

@@ -38,8 +38,11 @@ def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.
     return tl.minimum(nb, CAP), w_key, w_id
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _band_sorted(band_v, nb, m, CAP: tl.constexpr):
+    """The band sorted (one function in the module, not inlined at its four call sites: tl.sort of 1,024
+    values unrolls into ~2,700 ops, and Triton's layout passes took ~2/3 of a filter variant's 40-65 s compile
+    over four copies of it)."""
     j = tl.arange(0, CAP)
     v = tl.sort(tl.load(band_v + j, mask=j < nb, other=float("-inf")), descending=True)
     return v, tl.where(j < nb, _exp(v - m), 0.0)
