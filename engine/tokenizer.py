@@ -113,7 +113,11 @@ class WorldTokenizer:
         # incremental detokenization skip the codec for most tokens.
         self.id_to_token_str: list[str | None] = [_try_utf8(t) for t in table]
         self._token_to_id: dict[bytes, int] = {t: i for i, t in vocab.items()}
-        self._findall = compile_longest_match(vocab.values()).findall
+
+    @functools.cached_property
+    def _findall(self):
+        """The longest-match regex, compiled on the first encode (~2 s: a worker that only decodes never pays)."""
+        return compile_longest_match(self._token_to_id).findall
 
     @classmethod
     def default(cls) -> WorldTokenizer:

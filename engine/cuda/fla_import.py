@@ -31,6 +31,9 @@ def kernel_modules() -> bool:
         version = importlib.metadata.version("fla-core")
     except importlib.metadata.PackageNotFoundError:
         version = "0"
+    # fla's backend dispatch wraps each entry point in torch.compiler.disable, whose first call imports torch's
+    # dynamo (~5 s of a cold start on an H200 host); we call fla's own Triton kernels, never another backend
+    os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     for name, path in (("fla", root), ("fla.ops", os.path.join(root, "ops"))):
         module = types.ModuleType(name)
         module.__path__ = [path]

@@ -39,12 +39,23 @@ def _compact(src, scale, V, lo, hi, row_key, race_sure, band_v, band_i, CAP: tl.
 
 
 @triton.jit(noinline=True)
-def _band_sorted(band_v, nb, m, CAP: tl.constexpr):
-    """The band sorted (one function in the module, not inlined at its four call sites: tl.sort of 1,024
-    values unrolls into ~2,700 ops, and Triton's layout passes took ~2/3 of a filter variant's 40-65 s compile
-    over four copies of it)."""
+def _sort_band(band_v, nb, CAP: tl.constexpr):
+    """The band's values sorted (descending) into the program's second band row, ``band_v + CAP``. One function
+    in the module instead of a copy at each of its four call sites: tl.sort of 1,024 values unrolls into ~2,700
+    ops, and Triton's layout passes spent ~2/3 of a filter variant's 40-65 s compile on four copies of it. (It
+    writes to memory rather than returning the tensor: Triton 3.6 cannot return a tensor from a non-inlined
+    function.)"""
     j = tl.arange(0, CAP)
-    v = tl.sort(tl.load(band_v + j, mask=j < nb, other=float("-inf")), descending=True)
+    tl.debug_barrier()  # the sorted row's previous readers are done
+    tl.store(band_v + CAP + j, tl.sort(tl.load(band_v + j, mask=j < nb, other=float("-inf")), descending=True))
+
+
+@triton.jit
+def _band_sorted(band_v, nb, m, CAP: tl.constexpr):
+    j = tl.arange(0, CAP)
+    _sort_band(band_v, nb, CAP)
+    tl.debug_barrier()  # every thread's part of the sorted row is written
+    v = tl.load(band_v + CAP + j)
     return v, tl.where(j < nb, _exp(v - m), 0.0)
 
 

@@ -33,7 +33,7 @@ def _sample_kernel(logits, V: tl.constexpr, stride, slots, B, fparams, iparams, 
     (BENCHMARKS.md, sampler)."""
     pid = tl.program_id(0)
     scratch = scratch + pid.to(tl.int64) * V
-    band_v = band_v + pid * CAP
+    band_v = band_v + pid * (2 * CAP)  # the band, then its values sorted (band._sort_band)
     band_i = band_i + pid * CAP
     for row in range(pid, B, tl.num_programs(0)):
         r = tl.cast(row, tl.int64)

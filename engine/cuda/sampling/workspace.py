@@ -21,7 +21,8 @@ class SamplingWorkspace:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         self.programs = self.sms * max(c.programs_per_sm for c in shapes)  # the most programs of any shape
         cap = max(c.cap for c in shapes)  # and the largest band
-        self.band_v = torch.empty(self.programs, cap, dtype=torch.float32, device=device)
+        # a program's band values, then the same sorted (two rows of cap)
+        self.band_v = torch.empty(self.programs, 2 * cap, dtype=torch.float32, device=device)
         self.band_i = torch.empty(self.programs, cap, dtype=torch.int32, device=device)
         self.best = torch.full((SPLIT_ROWS,), NONE_YET.value, dtype=torch.int64, device=device)  # split race
         self.rows: torch.Tensor | None = None
