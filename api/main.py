@@ -33,7 +33,8 @@ UPLOAD_BODY_BYTES = MAX_UPLOAD_BYTES + (1 << 20)  # a file upload's limit, multi
 async def lifespan(app: FastAPI):
     settings: Settings = app.state.settings
     app.state.keys = KeyStore.load(settings)
-    tokenizer = await asyncio.to_thread(WorldTokenizer.default)  # ~3 s: compiles the vocabulary regex
+    # ~3 s: the vocabulary regex compiled before the first request, not in it
+    tokenizer = await asyncio.to_thread(lambda: WorldTokenizer.default().compile_encoder())
     broker = Broker(settings.redis_url, settings.worker_cache_s)
     await broker.start()
     generation = GenerationService(broker, tokenizer, settings, app.state.metrics)

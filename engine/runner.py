@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,10 +112,13 @@ class ModelRunner:
                 progress.advance("checking the model")
             return
         from engine.cuda.autotune import TunedConfigs, current_device_table, parallel_autotuning
+        from engine.sampler_compile import compile_in_child
         graphs = getattr(self.model, "graphs", None)
         prefill_graphs = getattr(self.model, "prefill_graphs", None)
         batch_sizes = graphs.sizes if graphs is not None else [1, self.num_slots]
-        sampler_warm_up = self.sampler.warm_up_in_background(batch_sizes, progress)
+        sampler_warm_up = self.sampler.warm_up_in_background(
+            batch_sizes, progress, functools.partial(compile_in_child, self.num_slots, self.vocab_size, self.device,
+                                                     batch_sizes))
         shipped = TunedConfigs() if retune else current_device_table()
         with parallel_autotuning(shipped=shipped, record=self.tunings):
             self._compile_model(slots, max_prefill_tokens, graphs, prefill_graphs, progress)

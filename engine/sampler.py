@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -266,23 +266,32 @@ class Sampler:
         """``sample_device`` and the step's one device-to-host transfer."""
         return self.sample_device(logits, slots).to_host()
 
-    def warm_up(self, batch_sizes: Sequence[int], threads: int | None = None) -> None:
+    def warm_up(self, batch_sizes: Sequence[int], threads: int | None = None,
+                compiled: Callable[[int, int], None] | None = None) -> None:
         """Compile (and run once) every kernel variant a step can launch, at each batch size, so that no
-        request waits for Triton; ``threads`` compiles at once. Slot state is left untouched. A no-op on the
-        torch path."""
+        request waits for Triton; ``threads`` compiles at once; ``compiled(done, total)`` as each kernel is
+        ready. Slot state is left untouched. A no-op on the torch path."""
         if self._kernel is None:
             return
         from engine.cuda.sampling import WARM_UP_THREADS, warm_up
-        warm_up(self.tables, self._kernel, batch_sizes, threads=threads or WARM_UP_THREADS)
+        warm_up(self.tables, self._kernel, batch_sizes, threads=threads or WARM_UP_THREADS, compiled=compiled)
 
-    def warm_up_in_background(self, batch_sizes: Sequence[int], progress: WarmupProgress) -> Future:
-        """``warm_up`` in a thread of its own, compiling over all the host's cores, while the caller warms up the
-        model (a cold compile of the filter variants is the longest single piece of a cold start); the future's
-        ``result()`` waits for it and raises its error."""
+    def warm_up_in_background(self, batch_sizes: Sequence[int], progress: WarmupProgress,
+                              compile_apart: Callable[[Callable[[int, int], None]], bool] | None = None) -> Future:
+        """``warm_up`` in a thread of its own while the caller warms up the model; the future's ``result()``
+        waits for it and raises its error. ``compile_apart(compiled)``, where given, first compiles the kernels
+        elsewhere (``engine.sampler_compile``: a child process, no GIL shared with the model's compiles), so the
+        thread's own warm-up only loads them; False: it failed, and the thread compiles them itself."""
+        from engine.cuda.sampling import compile_jobs
+        stage = "compiling sampler kernels"
+
+        def advance(done: int, total: int) -> None:
+            progress.advance(stage)
+
         def run() -> None:
-            with progress.stage("compiling sampler kernels", 1):
-                self.warm_up(batch_sizes, threads=os.cpu_count() or 1)
-                progress.advance("compiling sampler kernels")
+            with progress.stage(stage, len(compile_jobs(self.vocab_size, batch_sizes))):
+                apart = self._kernel is not None and compile_apart is not None and compile_apart(advance)
+                self.warm_up(batch_sizes, threads=os.cpu_count() or 1, compiled=None if apart else advance)
         pool = ThreadPoolExecutor(1, thread_name_prefix="sampler-warm-up")
         try:
             return pool.submit(run)

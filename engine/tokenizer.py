@@ -114,6 +114,11 @@ class WorldTokenizer:
         self.id_to_token_str: list[str | None] = [_try_utf8(t) for t in table]
         self._token_to_id: dict[bytes, int] = {t: i for i, t in vocab.items()}
 
+    def compile_encoder(self) -> WorldTokenizer:
+        """Compile the encoder now (a server that encodes, before its first request); returns self."""
+        self._findall  # noqa: B018 (the cached property's first read compiles it)
+        return self
+
     @functools.cached_property
     def _findall(self):
         """The longest-match regex, compiled on the first encode (~2 s: a worker that only decodes never pays)."""

@@ -6,16 +6,22 @@ family fla has (~40 of them, their layers and the torch.compile machinery): ~6 s
 bare namespace-style modules (their real directories as ``__path__``, ``__version__`` from the installed
 distribution) before anything of fla is imported, so submodules import alone. Where fla is already imported, it
 does nothing.
+
+Two of fla's kernel modules also decorate functions we never call with ``torch.compiler.disable`` at import time,
+which imports torch's dynamo (~4 s on an H200 host, ~5 s cold). ``without_dynamo()`` makes that decorator the
+identity while fla's kernels are imported: nothing here runs under torch.compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Iterator
 
 
 @functools.cache
@@ -42,3 +48,22 @@ def kernel_modules() -> bool:
         sys.modules[name] = module
     sys.modules["fla"].ops = sys.modules["fla.ops"]
     return True
+
+
+@contextlib.contextmanager
+def without_dynamo() -> Iterator[None]:
+    """``torch.compiler.disable`` as the identity inside the block (where dynamo is not imported yet)."""
+    import torch
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    original = torch.compiler.disable
+
+    def disable(fn=None, *args, **kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    torch.compiler.disable = disable
+    try:
+        yield
+    finally:
+        torch.compiler.disable = original

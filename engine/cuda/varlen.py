@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from engine.cuda.fla_import import kernel_modules
+from engine.cuda.fla_import import kernel_modules, without_dynamo
 from engine.device import to_device
 
 
@@ -21,9 +21,10 @@ from engine.device import to_device
 def _direct() -> tuple | None:
     kernel_modules()
     try:
-        from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd, gate_bound_is_safe
-        from fla.ops.utils.index import prepare_chunk_indices
-        from fla.utils import TRITON_ABOVE_3_4_0
+        with without_dynamo():
+            from fla.ops.generalized_delta_rule.dplr.chunk import chunk_dplr_fwd, gate_bound_is_safe
+            from fla.ops.utils.index import prepare_chunk_indices
+            from fla.utils import TRITON_ABOVE_3_4_0
     except ImportError:
         return None
     return chunk_dplr_fwd, gate_bound_is_safe, prepare_chunk_indices, TRITON_ABOVE_3_4_0

@@ -35,12 +35,12 @@ the lower id, where the twin (torch's argmax over its candidates) may pick the o
 for continuous noise.
 """
 
-from engine.cuda.sampling.launch import WARM_UP_THREADS, sample_rows, sample_rows_ref, warm_up
+from engine.cuda.sampling.launch import WARM_UP_THREADS, compile_jobs, sample_rows, sample_rows_ref, warm_up
 from engine.cuda.sampling.race import counter_hash_rows, counter_hash_rows_ref
 from engine.cuda.sampling.shapes import (FEW_FILTERED, FEW_ROWS, SPLIT_ROWS, KernelConfig, config_for, has_band,
                                          shape_of, variant_features)
 from engine.cuda.sampling.workspace import SamplingWorkspace
 
 __all__ = ["FEW_FILTERED", "FEW_ROWS", "SPLIT_ROWS", "WARM_UP_THREADS", "KernelConfig", "SamplingWorkspace",
-           "config_for", "counter_hash_rows", "counter_hash_rows_ref", "has_band", "sample_rows", "sample_rows_ref",
+           "compile_jobs", "config_for", "counter_hash_rows", "counter_hash_rows_ref", "has_band", "sample_rows", "sample_rows_ref",
            "shape_of", "variant_features", "warm_up"]

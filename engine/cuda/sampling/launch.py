@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -72,19 +74,28 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
+def compile_jobs(vocab_size: int, batch_sizes: Sequence[int]) -> list[tuple[Features, int]]:
+    """One (variant, batch size) per kernel that ``warm_up`` compiles: each variant at the smallest batch size of
+    each of its launch shapes (the batch size is not specialised on)."""
+    jobs = [(f, b) for b in batch_sizes for f in variant_features()]
+    return list({(f, shape_of(f, vocab_size, b)): (f, b) for f, b in reversed(jobs)}.values())
+
+
 def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
-            threads: int = WARM_UP_THREADS) -> None:
+            threads: int = WARM_UP_THREADS, compiled: Callable[[int, int], None] | None = None) -> None:
     """Compile every variant of the kernel (``variant_features``) and launch each once per batch size (outputs
     dropped, counters untouched): what differs per row within a variant is branched on at run time.
+    ``compiled(done, total)`` is called as each kernel of ``compile_jobs`` is ready.
 
-    A cold compile of a filter variant takes tens of seconds of one core, and Triton's compiler releases the GIL
-    while it works (two threads take about half the time of one): so one launch per compiled kernel (variant
-    and launch shape; the batch size is not specialised on) comes first, the filter variants' in a thread pool,
+    A cold compile of a filter variant takes seconds of one core, and Triton's compiler releases the GIL for
+    most of its work: so one launch per compiled kernel comes first, the filter variants' in a thread pool,
     then every (variant, batch size) once more, from the compiled kernels."""
     v = ws.vocab_size
-    jobs = [(f, b) for b in batch_sizes for f in variant_features()]
     # a new thread starts on the first device; "cuda" (no index) means the calling thread's current one
     index = ws.device.index if ws.device.type != "cuda" or ws.device.index is not None else torch.cuda.current_device()
+    firsts = compile_jobs(v, batch_sizes)
+    done = itertools.count(1)
+    lock = threading.Lock()
 
     def launch(job: tuple[Features, int]) -> None:
         if ws.device.type == "cuda":
@@ -93,15 +104,21 @@ def warm_up(t: SlotTables, ws: SamplingWorkspace, batch_sizes: Sequence[int],
         logits = torch.zeros(b, v, dtype=torch.float32, device=ws.device)
         sample_rows(logits, torch.arange(b, device=ws.device) % t.fparams.shape[0], t, f, ws)
 
-    firsts = {(f, shape_of(f, v, b)): (f, b) for f, b in reversed(jobs)}  # the smallest b each
-    slow = [(f, b) for f, b in firsts.values() if f.filtered]
-    if threads > 1 and len(slow) > 1 and ws.device.type == "cuda":  # (the interpreter compiles nothing)
-        # the quick ones here first: each kernel's first launch builds Triton's per-device cache of it, which
-        # threads launching it for the first time at once would each build
-        for job in firsts.values():
-            if job not in slow:
-                launch(job)
+    def first_launch(job: tuple[Features, int]) -> None:
+        launch(job)
+        if compiled is not None:
+            with lock:
+                compiled(next(done), len(firsts))
+
+    slow = [job for job in firsts if job[0].filtered]
+    parallel = threads > 1 and len(slow) > 1 and ws.device.type == "cuda"  # (the interpreter compiles nothing)
+    # the quick ones here first: each kernel's first launch builds Triton's per-device cache of it, which threads
+    # launching it for the first time at once would each build
+    for job in firsts:
+        if not parallel or job not in slow:
+            first_launch(job)
+    if parallel:
         with ThreadPoolExecutor(min(threads, len(slow)), thread_name_prefix="sampler-compile") as pool:
-            list(pool.map(launch, slow))  # list(): a thread's error is raised here
-    for job in jobs:
+            list(pool.map(first_launch, slow))  # list(): a thread's error is raised here
+    for job in [(f, b) for b in batch_sizes for f in variant_features()]:
         launch(job)
