@@ -173,10 +173,11 @@ class Broker:
     # -- cluster state ---------------------------------------------------------------------
 
     async def live_workers(self) -> list[c.Heartbeat]:
-        """Fresh heartbeats (cached for worker_cache_s)."""
+        """Fresh heartbeats (cached for worker_cache_s; an empty list is not cached: a starting service is ready
+        as soon as its first worker's heartbeat lands)."""
         async with self._workers_lock:
             now = time.monotonic()
-            if now - self._workers_at >= self._worker_cache_s:
+            if not self._workers or now - self._workers_at >= self._worker_cache_s:
                 self._workers = await self._read_heartbeats()
                 self._workers_at = now
             return self._workers

@@ -22,7 +22,8 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
@@ -39,9 +40,18 @@ from engine.warmup import WarmupProgress
 from engine.weights import Rwkv7Weights, load_model
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SEED_MASK = (1 << 63) - 1
 SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
+
+
+def _background(fn: Callable[[], T]) -> Future[T]:
+    pool = ThreadPoolExecutor(1, thread_name_prefix="engine-init")
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)
 
 
 class LLMEngine:
@@ -49,8 +59,9 @@ class LLMEngine:
                  tokenizer: WorldTokenizer | None = None, runner=None):
         """``runner``: a ModelRunner stand-in (engine.synthetic) instead of one built from the weights."""
         self.config = config
-        self.tokenizer = tokenizer or WorldTokenizer.default()
-        self.eos_token_id = self.tokenizer.eos_token_id
+        # the bundled vocabulary is parsed (~0.5 s of Python) while the weights load and move to the device
+        reading = None if tokenizer is not None else _background(WorldTokenizer.default)
+        self.eos_token_id = WorldTokenizer.eos_token_id
         if runner is None:
             if weights is None:
                 if config.model is None:
@@ -58,6 +69,7 @@ class LLMEngine:
                 weights = load_model(config.model)
             runner = ModelRunner(config, weights, [self.eos_token_id])
         self.runner = runner
+        self.tokenizer = tokenizer or reading.result()
         self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens, config.prefill_per_decode,
                                    config.min_prefill_chunk, config.prefill_hold_tokens, config.prefill_hold_steps)
         self._seed_rng = random.Random(config.seed)
