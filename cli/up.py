@@ -69,14 +69,37 @@ class Child:
             return False
 
 
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver sees (Linux)
+
+
+def cuda_device_count(proc_dir: Path = NVIDIA_GPUS) -> int:
+    """The GPUs CUDA would show a child, counted without importing torch (its import and CUDA's start took ~4 s
+    of a start on an H200 host, before any child was started): the driver's entries, narrowed by
+    CUDA_VISIBLE_DEVICES (CUDA stops at its first invalid entry; '-1' or empty hides every GPU); torch only where
+    the driver's entries are missing."""
+    if proc_dir.is_dir():
+        n = sum(1 for _ in proc_dir.iterdir())
+    else:
+        try:
+            import torch
+            return torch.cuda.device_count()  # it applies CUDA_VISIBLE_DEVICES itself
+        except Exception:
+            return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return n
+    listed = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        listed += 1
+    return min(listed, n)
+
+
 def visible_gpus(device: str) -> list[str]:
     if device not in ("auto", "cuda"):
         return [device]
-    try:
-        import torch
-        n = torch.cuda.device_count()
-    except Exception:
-        n = 0
+    n = cuda_device_count()
     if n == 0:
         if device == "cuda":
             raise SystemExit("gaggle: --device cuda but no CUDA GPU is visible")

@@ -184,3 +184,22 @@ def test_the_batch_worker_gets_the_apis_limits():
                 "--model-name", "goose"]
     assert limit_args(api_args) == ["--max-prompt-tokens=64", "--max-n", "4", "--model-name", "goose"]
     assert limit_args([]) == []
+
+
+@pytest.mark.parametrize("visible, expected", [(None, 2), ("1", 1), ("0,1,2", 2), ("", 0), ("-1", 0), ("1,-1,0", 1)])
+def test_gpus_are_counted_from_the_driver_and_cuda_visible_devices(tmp_path, monkeypatch, visible, expected):
+    from cli.up import cuda_device_count
+    for pci in ("0000:18:00.0", "0000:2a:00.0"):  # the driver's /proc layout: one entry per GPU
+        (tmp_path / pci).mkdir()
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cuda_device_count(tmp_path) == expected
+
+
+def test_without_the_driver_torch_counts(tmp_path):
+    import torch
+
+    from cli.up import cuda_device_count
+    assert cuda_device_count(tmp_path / "absent") == torch.cuda.device_count()
