@@ -4,7 +4,7 @@
 #   bash benchmarks/run.sh engine   # engine tables: decode, prefill, sampler, serving loop, constrained (~10 min)
 #   bash benchmarks/run.sh serve    # gaggle up, gaggle bench served and --engine-only (~15 min)
 #   bash benchmarks/run.sh batch    # a 10,000-line Batch API job against engine-only (~8 min)
-#   bash benchmarks/run.sh startup  # gaggle up cold (empty kernel cache) and warm, to the first answer (~4 min)
+#   bash benchmarks/run.sh startup  # gaggle up cold (empty kernel cache) and warm, to the first answer (~1.5 min)
 #   bash benchmarks/run.sh all      # all four in turn
 #
 # Model: random weights in the RWKV-7 1.5B shape (written once). Raw logs, results and the model go under
