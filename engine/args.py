@@ -38,6 +38,12 @@ ENGINE_FLAGS: dict[str, dict] = {
     "prefill_per_decode": dict(help="beside decodes, prompt tokens a step per decoding sequence (0: no cap) ..."),
     "min_prefill_chunk": dict(help="... but at least this many"),
     "max_model_len": dict(),
+    "prefix_cache_gib": dict(help="GiB of device memory for prompt-prefix states (shared instructions, chat "
+                                  "histories: prefilled once; 0 turns the cache off)"),
+    "prefix_cache_host_gib": dict(help="... and GiB of pinned host memory they move to when pushed out (CUDA)"),
+    "prefix_min_tokens": dict(help="no prefix state is kept for shorter prefixes"),
+    "prefix_interval": dict(help="prefix states every this many tokens inside long prompts (0: only at prompt "
+                                 "ends and where prompts diverge)"),
     "enforce_eager": dict(help="disable CUDA graphs"),
     "gpu_memory_utilization": dict(),
 }

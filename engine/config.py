@@ -27,6 +27,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     seed: int = 0  # seeds requests that bring none
     async_scheduling: bool = True  # launch step t+1 before finishing step t on the host (engine.engine)
+    prefix_cache_gib: float = 2.0  # prompt-prefix states kept beside the slots (engine.prefix_cache; 0: no cache)
+    prefix_cache_host_gib: float = 8.0  # ... and in pinned host memory once pushed out of the device (CUDA only)
+    prefix_min_tokens: int = 32  # no checkpoint for shorter prefixes
+    prefix_interval: int = 4096  # checkpoints every this many tokens inside long prompts (0: none)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -46,6 +50,10 @@ class EngineConfig:
             raise ValueError("prefill_hold_tokens and prefill_hold_steps must be >= 0")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefix_cache_gib < 0 or self.prefix_cache_host_gib < 0 or self.prefix_min_tokens < 1 \
+                or self.prefix_interval < 0:
+            raise ValueError("prefix_cache_gib and prefix_cache_host_gib must be >= 0, prefix_min_tokens >= 1 and "
+                             "prefix_interval >= 0")
         if not 0.1 <= self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in [0.1, 1], got {self.gpu_memory_utilization}")
 

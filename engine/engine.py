@@ -70,8 +70,11 @@ class LLMEngine:
             runner = ModelRunner(config, weights, [self.eos_token_id])
         self.runner = runner
         self.tokenizer = tokenizer or reading.result()
+        make_cache = getattr(runner, "make_prefix_cache", None)  # a synthetic runner has no states to keep
+        self.prefix_cache = make_cache() if make_cache is not None else None
         self.scheduler = Scheduler(self.runner.num_slots, config.max_num_batched_tokens, config.prefill_per_decode,
-                                   config.min_prefill_chunk, config.prefill_hold_tokens, config.prefill_hold_steps)
+                                   config.min_prefill_chunk, config.prefill_hold_tokens, config.prefill_hold_steps,
+                                   self.prefix_cache)
         self._seed_rng = random.Random(config.seed)
         self._sequences: dict[str, list[Sequence]] = {}
         self._launched: LaunchedStep | None = None  # on the device; finished by the next step()
@@ -288,8 +291,12 @@ class LLMEngine:
         for chunk in batch.prefills:
             self.scheduler.complete_chunk(chunk)
             if chunk.is_last:
+                chunk.seq.checkpoint = None  # restored at admission; the cache may drop it from now on
                 log.info("prefill done", extra={"request_id": chunk.seq.request_id,
-                                                "prompt_tokens": chunk.seq.num_prompt_tokens})
+                                                "prompt_tokens": chunk.seq.num_prompt_tokens,
+                                                "cached_tokens": chunk.seq.num_cached_tokens})
+        if self.prefix_cache is not None:
+            self.prefix_cache.step_done()
 
     def _postprocess(self, seqs: list[Sequence], sampled: SampleOutput | None) -> list[SequenceOutput]:
         """Each sequence's token of the step: detokenized, stops checked, as an output. Per token on the host's
@@ -312,7 +319,8 @@ class LLMEngine:
                 self._logprob_entry(sampled, row, token) if params.logprobs is not None else None,
                 seq.is_finished, reason.value if reason else None, seq.stop_reason, len(seq.prompt_token_ids),
                 len(out_ids),
-                seq.prompt_logprobs if params.prompt_logprobs is not None and len(out_ids) == 1 else None))
+                seq.prompt_logprobs if params.prompt_logprobs is not None and len(out_ids) == 1 else None,
+                seq.num_cached_tokens))
         return outputs
 
     def _append_text(self, seq: Sequence, token: int) -> str:

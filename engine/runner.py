@@ -11,6 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model import ReferenceRwkv7
+from engine.prefix_cache import PrefixCache
 from engine.device import to_device
 from engine.sampler import Admission, PendingSample, SampleOutput, Sampler
 from engine.scheduler import PrefillChunk, SchedulerOutput
@@ -50,6 +51,7 @@ class ModelRunner:
         # each slot's last sampled token: the next decode's input, never through the host
         self.last_tokens = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
         self.step_events: list | None = None  # set to a list: (start, end) CUDA events of each launched step
+        self.prefix_cache: PrefixCache | None = None  # make_prefix_cache
         self.tunings: list = []  # autotune choices made at warm-up (engine.cuda.autotune.Tuning)
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
                                               "dtype": str(self.dtype), "num_slots": self.num_slots,
@@ -85,12 +87,26 @@ class ModelRunner:
                          max_prefill_tokens=self.config.max_num_batched_tokens,
                          prefill_graphs=self.config.prefill_graphs)
 
+    def make_prefix_cache(self) -> PrefixCache | None:
+        """The prompt-prefix cache for this runner's slots (None where the config turns it off)."""
+        c = self.config
+        if c.prefix_cache_gib <= 0:
+            return None
+        host = c.prefix_cache_host_gib if self.device.type == "cuda" else 0.0  # on a CPU the device tier is RAM
+        self.prefix_cache = PrefixCache(int(c.prefix_cache_gib * 2**30), int(host * 2**30), demote=_to_pinned_host,
+                                        min_tokens=c.prefix_min_tokens, interval=c.prefix_interval)
+        return self.prefix_cache
+
     def admit(self, seqs: list[Sequence]) -> None:
-        """Fresh state and sampler settings for sequences that just got a slot."""
+        """Fresh state (or a prefix checkpoint's) and sampler settings for sequences that just got a slot."""
         if not seqs:
             return
         slots = to_device([s.slot for s in seqs], torch.long, self.device)
         self.pool.reset(slots)
+        for s in seqs:
+            if s.checkpoint is not None:
+                att, ffn, wkv, _ = s.checkpoint.payload
+                self.pool.write(s.slot, att, ffn, wkv)
         self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
                                  self.eos_token_ids, slot_index=slots)
 
@@ -174,17 +190,30 @@ class ModelRunner:
         logits: list[torch.Tensor] = []
         timing = self._record_event() if self.step_events is not None else None
         if batch.prefills:
-            score = self._prompt_targets(batch.prefills)
-            rows, scores = self.model.prefill_with_scores([c.token_ids for c in batch.prefills],
-                                                          [c.seq.slot for c in batch.prefills], score)
-            for i, (chunk, row) in enumerate(zip(batch.prefills, rows)):
-                if i in scores:
-                    self._record_prompt_logprobs(chunk, scores[i])
+            computed = [c for c in batch.prefills if c.end > c.start]
+            score = self._prompt_targets(computed)
+            rows, scores = (self.model.prefill_with_scores([c.token_ids for c in computed],
+                                                           [c.seq.slot for c in computed], score)
+                            if computed else (None, {}))
+            i = -1  # computed chunks' index in rows (and scores)
+            kept = []
+            for chunk in batch.prefills:
+                if chunk.end == chunk.start:  # the whole prompt from a checkpoint: its stored logits
+                    row = chunk.seq.checkpoint.payload[3].to(self.device, non_blocking=True)
+                else:
+                    i += 1
+                    row = rows[i]
+                    if i in scores:
+                        self._record_prompt_logprobs(chunk, scores[i])
+                if chunk.checkpoint:
+                    kept.append((chunk, row))
                 if chunk.is_last:
                     self._fork(chunk.seq)
                     family = [chunk.seq, *chunk.seq.siblings]
                     seqs += family
                     logits.append(row.expand(len(family), -1))
+            for chunk, row in kept:  # after every stored row is read: keeping one may push another out
+                self._keep_checkpoint(chunk, row)
         if batch.decodes:
             slots = to_device([s.slot for s in batch.decodes], torch.long, self.device)
             seqs += batch.decodes
@@ -202,6 +231,14 @@ class ModelRunner:
         if timing is not None:
             self.step_events.append((timing, self._record_event()))
         return LaunchedStep(seqs, sample.start_transfer())
+
+    def _keep_checkpoint(self, chunk: PrefillChunk, row: torch.Tensor) -> None:
+        """The slot's state after ``chunk`` and its last logits, copied (queued after the prefill) into the cache."""
+        slot = chunk.seq.slot
+        payload = (self.pool.att_shift[:, slot].clone(), self.pool.ffn_shift[:, slot].clone(),
+                   self.pool.wkv[:, slot].clone(), row.clone())
+        nbytes = sum(t.numel() * t.element_size() for t in payload)
+        self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], payload, nbytes, has_logits=True)
 
     def _record_event(self):
         if self.device.type != "cuda":
@@ -241,3 +278,13 @@ class ModelRunner:
         self.pool.copy(lead.slot, dst)
         for s in lead.siblings:
             self.sampler.copy_slot(lead.slot, s.slot, s.seed)
+
+
+def _to_pinned_host(payload: tuple) -> tuple:
+    """A device checkpoint's copy in pinned host memory (queued: later uses are stream-ordered after it)."""
+    out = []
+    for t in payload:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
+        out.append(host)
+    return tuple(out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence, Status
 
 
@@ -23,7 +24,8 @@ from engine.sequence import Sequence, Status
 class PrefillChunk:
     seq: Sequence
     start: int
-    end: int
+    end: int  # == start: the whole prompt came from a checkpoint (its stored logits are sampled)
+    checkpoint: bool = False  # the state after it is kept (engine.prefix_cache)
 
     @property
     def token_ids(self) -> list[int]:
@@ -70,8 +72,10 @@ class SlotAllocator:
 
 class Scheduler:
     def __init__(self, num_slots: int, max_num_batched_tokens: int, prefill_per_decode: float = 3.0,
-                 min_prefill_chunk: int = 2048, prefill_hold_tokens: int = 0, prefill_hold_steps: int = 4):
+                 min_prefill_chunk: int = 2048, prefill_hold_tokens: int = 0, prefill_hold_steps: int = 4,
+                 prefix_cache: PrefixCache | None = None):
         self.slots = SlotAllocator(num_slots)
+        self.prefix_cache = prefix_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_per_decode = prefill_per_decode
         self.min_prefill_chunk = min_prefill_chunk
@@ -109,10 +113,23 @@ class Scheduler:
         if self.waiting and self._hold(len(out.decodes)):
             return out
         while self.waiting and budget > 0 and self.slots.can_allocate(1 + len(self.waiting[0].siblings)):
+            if not self._plan_start(self.waiting[0]):
+                break  # a checkpoint it can start from is being made this step
             seq = self.waiting.popleft()
             self._admit(seq, out)
             budget -= self._add_chunk(out, seq, budget)
         return out
+
+    def _plan_start(self, seq: Sequence) -> bool:
+        """Where a waiting prompt starts (the prefix cache's plan); False: it waits a step."""
+        if self.prefix_cache is None:
+            return True
+        plan = self.prefix_cache.plan(seq.prompt_token_ids, use_checkpoints=seq.params.prompt_logprobs is None)
+        if plan.wait:
+            return False
+        seq.num_prefilled = seq.num_cached_tokens = plan.tokens
+        seq.checkpoint, seq.split_at = plan.checkpoint, plan.split_at
+        return True
 
     def _hold(self, num_decodes: int) -> bool:
         """Whether new prompts wait this step: only beside decodes, while fewer than ``prefill_hold_tokens``
@@ -146,11 +163,20 @@ class Scheduler:
         seq.status = Status.PREFILLING
         self.prefilling.append(seq)
 
-    @staticmethod
-    def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
-        take = min(seq.num_remaining_prompt, budget)
-        out.prefills.append(PrefillChunk(seq, seq.num_prefilled, seq.num_prefilled + take))
-        return take
+    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        start = seq.num_prefilled
+        end = start + min(seq.num_remaining_prompt, budget)
+        cache, n = self.prefix_cache, seq.num_prompt_tokens
+        checkpoint = False
+        if cache is not None:
+            if seq.split_at is not None and start < seq.split_at < end:
+                end = seq.split_at
+            end = cache.chunk_end(start, end, n)
+            checkpoint = end > start and cache.makes_checkpoint(end, n, seq.split_at)
+            if checkpoint:
+                cache.expect(seq.prompt_token_ids[:end])
+        out.prefills.append(PrefillChunk(seq, start, end, checkpoint))
+        return end - start
 
     def complete_chunk(self, chunk: PrefillChunk) -> None:
         """Record a chunk as launched; a finished prompt starts decoding with its siblings (the last chunk

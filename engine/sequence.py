@@ -58,6 +58,7 @@ class SequenceOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # with a sequence's first token, when asked for
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache, not a prefill
 
 
 class Sequence:
@@ -83,6 +84,11 @@ class Sequence:
         self.max_output_tokens = request.params.max_tokens  # the engine caps it by max_model_len
         self.matcher = None  # constrained decoding: its xgrammar matcher (engine.grammar), fed each token
         self.grammar_rejected = False  # a token the matcher refused (a bug if it happens): the sequence ends
+        # the prefix cache (engine.prefix_cache): prompt tokens taken from a checkpoint instead of prefilled, the
+        # checkpoint (restored into the slot on admission), and where the first chunk ends to make one
+        self.num_cached_tokens = 0
+        self.checkpoint = None
+        self.split_at: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,6 +37,12 @@ class StatePool:
         for t in (self.att_shift, self.ffn_shift, self.wkv):
             t.index_copy_(1, dst, t[:, src:src + 1].expand(-1, len(dst), *t.shape[2:]).contiguous())
 
+    def write(self, slot: int, att_shift: torch.Tensor, ffn_shift: torch.Tensor, wkv: torch.Tensor) -> None:
+        """Set one slot's state (all layers: ``[L, C]``, ``[L, C]``, ``[L, H, N, N]``; queued, from device or
+        pinned host memory)."""
+        for t, src in ((self.att_shift, att_shift), (self.ffn_shift, ffn_shift), (self.wkv, wkv)):
+            t[:, slot].copy_(src, non_blocking=True)
+
     def snapshot(self, slot: int) -> list[torch.Tensor]:
         """One slot's state as the official package lays it out (tests and debugging)."""
         out = []

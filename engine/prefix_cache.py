@@ -1,0 +1,279 @@
+"""Prompt-prefix state cache: the token paths of recent prompts in a radix tree, and at some of its nodes a
+checkpoint (the recurrent state after that prefix, and the last position's logits).
+
+An RWKV sequence's whole memory is its fixed-size state, so a prompt that starts with a prefix some earlier prompt
+went through can start from that prefix's state instead of token 0. Checkpoints are made where a prefill chunk
+ends: at each prompt's end, at fixed intervals inside long prompts, and at the point where a new prompt leaves the
+path of earlier ones (the tree knows those paths even where it holds no state: the second prompt with a shared
+instruction is prefilled in two chunks, the instruction first, and every later one starts after it). A prompt
+that is a whole checkpoint's prefix needs no prefill at all: its first token is sampled from the stored logits.
+
+Checkpoints live in two tiers with byte caps, least recently used first out: the device (next to the slots) and
+host memory (pinned); a device checkpoint pushed out moves to the host tier, a host one is dropped. This module
+is plain Python: the tensors are the runner's (``engine.runner``), opaque here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """A prefix's state: ``payload`` is the runner's (tensors), ``nbytes`` its size, ``on_device`` its tier."""
+    payload: object
+    nbytes: int
+    on_device: bool
+    has_logits: bool
+    node: Node | None = None
+
+
+@dataclass(eq=False)
+class Node:
+    edge: tuple[int, ...]  # the tokens from the parent to here
+    parent: Node | None
+    depth: int  # tokens from the root to the end of ``edge``
+    children: dict[int, Node] = field(default_factory=dict)
+    checkpoint: Checkpoint | None = None
+    pending: bool = False  # a chunk launched this step ends here: its checkpoint is being made
+    used: int = 0
+
+
+@dataclass
+class Plan:
+    """Where a new prompt starts: ``tokens`` of it come from ``checkpoint``, its first chunk ends at ``split_at``
+    (a checkpoint is made there), or it ``wait``s a step for a checkpoint being made that covers more of it."""
+    tokens: int = 0
+    checkpoint: Checkpoint | None = None
+    split_at: int | None = None
+    wait: bool = False
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    tokens_saved: int = 0
+    checkpoints_made: int = 0
+    demoted: int = 0
+    dropped: int = 0
+
+
+class PrefixCache:
+    """The tree and the tiers. ``demote(payload) -> payload`` copies a device checkpoint to host memory; the
+    runner passes it. ``min_tokens``: no checkpoint for shorter prefixes; ``interval``: checkpoints every that
+    many tokens inside long prompts (0: none); ``max_path_tokens``: the tree's stored paths, bounded."""
+
+    def __init__(self, device_bytes: int, host_bytes: int, demote: Callable[[object], object] | None = None,
+                 min_tokens: int = 32, interval: int = 0, max_path_tokens: int = 4_000_000):
+        self.device_bytes = device_bytes
+        self.host_bytes = host_bytes
+        self.demote = demote
+        self.min_tokens = max(1, min_tokens)
+        self.interval = interval
+        self.max_path_tokens = max_path_tokens
+        self.root = Node((), None, 0)
+        self.stats = CacheStats()
+        self._tick = itertools.count(1)
+        self._path_tokens = 0
+        self._tiers: dict[bool, OrderedDict[int, Checkpoint]] = {True: OrderedDict(), False: OrderedDict()}
+        self._used_bytes = {True: 0, False: 0}
+        self._pending: list[Node] = []
+
+    # -- planning (the scheduler) -----------------------------------------------------------------
+
+    def plan(self, prompt: list[int], use_checkpoints: bool = True) -> Plan:
+        """Where ``prompt`` starts. A checkpoint at the prompt's full length counts only with its logits (a
+        prefill of at least one token gives them otherwise). ``use_checkpoints`` False: no start from a
+        checkpoint (prompt logprobs score every position), only the split that makes one."""
+        self.stats.lookups += 1
+        tick = next(self._tick)
+        plan = Plan()
+        node, matched = self.root, 0
+        pending_beyond = False
+        while matched < len(prompt):
+            child = node.children.get(prompt[matched])
+            if child is None:
+                break
+            common = _common_prefix(child.edge, prompt, matched)
+            if common < len(child.edge):  # the prompt leaves this path inside the edge
+                matched += common
+                break
+            matched += common
+            node = child
+            node.used = tick
+            if node.pending:
+                pending_beyond = True
+            cp = node.checkpoint
+            if use_checkpoints and cp is not None and (node.depth < len(prompt) or cp.has_logits):
+                plan.tokens, plan.checkpoint, pending_beyond = node.depth, cp, False
+        if pending_beyond:
+            plan.wait = True
+            return plan
+        if plan.checkpoint is not None:
+            self.stats.hits += 1
+            self.stats.tokens_saved += plan.tokens
+            self._touch(plan.checkpoint)
+        # the prompt leaves an earlier prompt's path past the checkpoint it starts from: make one there
+        if matched >= self.min_tokens and plan.tokens < matched < len(prompt):
+            plan.split_at = matched
+        return plan
+
+    def chunk_end(self, start: int, end: int, prompt_len: int) -> int:
+        """Where a chunk from ``start`` that would end at ``end`` ends: at the next interval boundary past
+        ``start``, if it crosses one before the prompt's end."""
+        if self.interval <= 0:
+            return end
+        boundary = (start // self.interval + 1) * self.interval
+        return boundary if boundary < min(end, prompt_len) and boundary >= self.min_tokens else end
+
+    def makes_checkpoint(self, end: int, prompt_len: int, split_at: int | None) -> bool:
+        """Whether a chunk ending at ``end`` leaves a checkpoint."""
+        if end < self.min_tokens:
+            return False
+        return end == prompt_len or end == split_at or (self.interval > 0 and end % self.interval == 0)
+
+    def expect(self, prefix: list[int]) -> None:
+        """A chunk ending after ``prefix`` is launched this step: later prompts on its path wait for it."""
+        node = self._insert_path(prefix)
+        node.pending = True
+        self._pending.append(node)
+
+    def step_done(self) -> None:
+        """The step's chunks are launched: nothing is pending any more (a chunk that made no checkpoint, an
+        aborted one, leaves its path and no state)."""
+        for node in self._pending:
+            node.pending = False
+        self._pending.clear()
+
+    # -- checkpoints (the runner) -----------------------------------------------------------------
+
+    def add(self, prefix: list[int], payload: object, nbytes: int, has_logits: bool) -> Checkpoint:
+        """The device state after ``prefix`` (replacing an older one there), then the tiers kept to their caps."""
+        node = self._insert_path(prefix)
+        node.pending = False
+        if node.checkpoint is not None:
+            self._remove(node.checkpoint)
+        cp = Checkpoint(payload, nbytes, on_device=True, has_logits=has_logits, node=node)
+        node.checkpoint = cp
+        node.used = next(self._tick)
+        self._tiers[True][id(cp)] = cp
+        self._used_bytes[True] += nbytes
+        self.stats.checkpoints_made += 1
+        self._enforce_caps()
+        return cp
+
+    def bytes_used(self, on_device: bool) -> int:
+        return self._used_bytes[on_device]
+
+    def checkpoints(self, on_device: bool) -> int:
+        return len(self._tiers[on_device])
+
+    def clear(self) -> None:
+        for tier in self._tiers.values():
+            for cp in list(tier.values()):
+                self._remove(cp)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _touch(self, cp: Checkpoint) -> None:
+        self._tiers[cp.on_device].move_to_end(id(cp))
+
+    def _enforce_caps(self) -> None:
+        device, host = self._tiers[True], self._tiers[False]
+        while self._used_bytes[True] > self.device_bytes and device:
+            cp = next(iter(device.values()))
+            if self.host_bytes >= cp.nbytes and self.demote is not None:
+                self._move_to_host(cp)
+            else:
+                self._remove(cp)
+        while self._used_bytes[False] > self.host_bytes and host:
+            self._remove(next(iter(host.values())))
+
+    def _move_to_host(self, cp: Checkpoint) -> None:
+        del self._tiers[True][id(cp)]
+        self._used_bytes[True] -= cp.nbytes
+        cp.payload = self.demote(cp.payload)
+        cp.on_device = False
+        self._tiers[False][id(cp)] = cp
+        self._used_bytes[False] += cp.nbytes
+        self.stats.demoted += 1
+
+    def _remove(self, cp: Checkpoint) -> None:
+        tier = self._tiers[cp.on_device]
+        if tier.pop(id(cp), None) is not None:
+            self._used_bytes[cp.on_device] -= cp.nbytes
+            self.stats.dropped += 1
+        if cp.node is not None and cp.node.checkpoint is cp:
+            cp.node.checkpoint = None
+        cp.payload = None
+
+    def _insert_path(self, tokens: list[int]) -> Node:
+        """The node at exactly ``len(tokens)`` on the path of ``tokens`` (made, and edges split, as needed)."""
+        node, at = self.root, 0
+        tick = next(self._tick)
+        while at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is None:
+                leaf = Node(tuple(tokens[at:]), node, len(tokens), used=tick)
+                node.children[tokens[at]] = leaf
+                self._path_tokens += len(leaf.edge)
+                node = leaf
+                break
+            common = _common_prefix(child.edge, tokens, at)
+            if common < len(child.edge):
+                child = self._split(child, common)
+            at += common
+            node = child
+            node.used = tick
+        if self._path_tokens > self.max_path_tokens:
+            self._prune_paths(keep=node)
+        return node
+
+    @staticmethod
+    def _split(node: Node, k: int) -> Node:
+        """Cut ``node``'s edge after ``k`` tokens: a new node there, ``node`` below it."""
+        parent = node.parent
+        mid = Node(node.edge[:k], parent, node.depth - len(node.edge) + k, used=node.used)
+        parent.children[node.edge[0]] = mid
+        node.edge = node.edge[k:]
+        node.parent = mid
+        mid.children[node.edge[0]] = node
+        return mid
+
+    def _prune_paths(self, keep: Node) -> None:
+        """Drop least recently used leaves (and their checkpoints) until the paths fit in 90% of the bound."""
+        leaves = []
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n is not self.root:
+                leaves.append(n)
+        leaves.sort(key=lambda n: n.used)
+        for leaf in leaves:
+            if self._path_tokens <= 0.9 * self.max_path_tokens:
+                break
+            node = leaf
+            while node is not self.root and not node.children and node is not keep and not node.pending:
+                if node.checkpoint is not None:
+                    self._remove(node.checkpoint)
+                parent = node.parent
+                del parent.children[node.edge[0]]
+                self._path_tokens -= len(node.edge)
+                node = parent
+
+
+def _common_prefix(edge: tuple[int, ...], tokens: list[int], at: int) -> int:
+    n = min(len(edge), len(tokens) - at)
+    i = 0
+    while i < n and edge[i] == tokens[at + i]:
+        i += 1
+    return i
