@@ -199,4 +199,5 @@ def scored_only(ch: c.Choice) -> c.Choice:
 
 def usage(results: list[c.Result], prompt_tokens: int, score_only: bool = False) -> dict:
     completion = 0 if score_only else sum(len(ch.token_ids) for r in results for ch in r.choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}}

@@ -257,7 +257,8 @@ def call_id_of(response_id: str, number: int) -> str:
 
 def usage_of(results: list[c.Result], prompt_tokens: int) -> dict:
     output = sum(len(ch.token_ids) for r in results for ch in r.choices)
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output,
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}, "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt_tokens + output}
 
 

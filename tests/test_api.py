@@ -108,6 +108,16 @@ def test_greedy_completion_equals_the_engine(client, engine):
     assert by_ids.choices[0].text == ref_text
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_and_answers_the_same(client):
+    ids = list(range(3000, 3040))  # 40 tokens: past the worker's 32-token minimum for a prefix state
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    longer = client.completions.create(model=MODEL, prompt=ids + [77, 78], max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 40 and again.choices[0].text == first.choices[0].text
+    assert longer.usage.prompt_tokens_details.cached_tokens == 40 and longer.usage.prompt_tokens == 42
+
+
 def test_streaming_with_usage_equals_non_streaming(client, engine):
     ref_text, ref_ids, _ = engine_greedy(engine, engine.tokenizer.encode(PROMPT), 16)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,

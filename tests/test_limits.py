@@ -147,7 +147,7 @@ def test_without_max_tokens_a_prompt_gets_what_the_length_leaves(stack):
     prompt = list(range(1000, 1050))  # 50 tokens: the default 16 would go past 64
     short = completion(http, prompt=prompt, ignore_eos=True).json()
     assert short["usage"] == {"prompt_tokens": 50, "completion_tokens": MAX_MODEL_LEN - 50,
-                              "total_tokens": MAX_MODEL_LEN}, short
+                              "total_tokens": MAX_MODEL_LEN, "prompt_tokens_details": {"cached_tokens": 0}}, short
     assert short["choices"][0]["finish_reason"] == "length"
     chat = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
                                                    "ignore_eos": True}).json()  # chat's default: 1,024

@@ -492,6 +492,7 @@ class Result:
     choices: list[Choice] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those started from a prefix-cache checkpoint (not prefilled)
     error: dict | None = None  # {"message", "type", "code"}
     worker: str = ""
     meta: dict = field(default_factory=dict)
@@ -506,9 +507,9 @@ class Result:
 
     @classmethod
     def from_dict(cls, obj: dict) -> "Result":
-        obj = dict(obj)
-        obj.pop("v", None)
-        known = {f.name for f in fields(Choice)}  # fields a newer worker adds are ignored
+        own = {f.name for f in fields(cls)} - {"v"}  # fields a newer worker adds are ignored
+        obj = {k: v for k, v in obj.items() if k in own}
+        known = {f.name for f in fields(Choice)}
         obj["choices"] = [Choice(**{k: v for k, v in c.items() if k in known}) for c in obj.get("choices", [])]
         return cls(**obj)
 

@@ -22,6 +22,7 @@ class InFlight:
     choices: list[Choice] = field(init=False)
     text_parts: list[list[str]] = field(init=False)
     num_prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
     suppress_tokens: int = 0  # after a retry: tokens already published once
     # Threads: the step thread creates it and counts ``unfinished`` down; once handed to the writer thread
     # (a "start" op) only the writer folds outputs in and reads them (see RedisIO), until it ends the request.
@@ -58,6 +59,8 @@ class InFlight:
         if self.first_token is None:
             self.first_token = now
         position = len(choice.token_ids)
+        if position == 0 and out.num_cached_tokens > self.cached_tokens:  # n > 1: the lead's (forks report 0)
+            self.cached_tokens = out.num_cached_tokens
         choice.token_ids += out.token_ids
         self.text_parts[out.index].append(out.text)
         self.text_len[out.index] += len(out.text)
@@ -87,7 +90,7 @@ class InFlight:
         return Result(
             id=req.id, status=STATUS_COMPLETED, endpoint=req.endpoint, model=req.model, tenant=req.tenant,
             created=req.created, finished=now, choices=self.choices, prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=sum(len(ch.token_ids) for ch in self.choices), worker=worker, meta=req.meta,
+            cached_tokens=self.cached_tokens, completion_tokens=sum(len(ch.token_ids) for ch in self.choices), worker=worker, meta=req.meta,
             timings=timings)
 
 
