@@ -58,6 +58,14 @@ def test_status_page_shows_a_live_worker_and_its_numbers_move(redis_server, tiny
                          60, 0.2, "tokens per second changing on the page")
         assert int(busy) > 0 and moved != idle_tokens
         assert driver.find_element(By.ID, "line").get_attribute("points")  # the chart has points
+        shared = list(range(5000, 5040))  # a 40-token prompt twice: the second starts from the prefix cache
+        for _ in range(2):
+            httpx.post(api.url + "/v1/completions", timeout=60, json={"prompt": shared, "max_tokens": 2})
+
+        def tokens_saved() -> int:
+            row = driver.find_element(By.CSS_SELECTOR, '#workers tr[data-worker="dash-worker"]')
+            return int(row.find_elements(By.TAG_NAME, "td")[7].text.replace(",", "") or 0)
+        assert wait_for(lambda: tokens_saved() >= 40, 30, 0.2, "prompt tokens saved on the page")
         ARTIFACTS.mkdir(exist_ok=True)
         driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
         assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000

@@ -114,7 +114,14 @@ def exported_metrics() -> set[str]:
     worker.on_write(1, 3, 0.001)
     worker.gpu_memory.set(1)
     worker.gpu_utilization.set(0.5)
+    from engine.prefix_cache import PrefixCache
+    cache = PrefixCache(100, 0, min_tokens=1)
+    cache.add([1, 2, 3], "state", 10, has_logits=True)
+    cache.plan([1, 2, 3, 4])
+    worker.attach_prefix_cache(cache)
     text += generate_latest(worker.registry).decode()
+    assert 'gaggle_worker_prefix_cache_hits_total{worker="w"} 1.0' in text
+    assert 'gaggle_worker_prefix_cache_bytes{tier="device",worker="w"} 10.0' in text
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 

@@ -546,6 +546,10 @@ class Heartbeat:
     draining: bool = False
     max_model_len: int = 0  # prompt + output tokens the worker's engine accepts (0: not reported)
     vocab_size: int = 0  # the model's vocabulary (0: not reported)
+    prefix_lookups: int = 0  # prompts looked up in the prefix cache since the worker started
+    prefix_hits: int = 0  # ... started from a checkpoint
+    prefix_tokens_saved: int = 0  # prompt tokens taken from checkpoints instead of prefilled
+    prefix_bytes: int = 0  # checkpoints held, device and host tiers
 
     def encode(self) -> bytes:
         return dumps({"v": SCHEMA_VERSION, **asdict(self)})

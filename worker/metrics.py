@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +37,44 @@ class WorkerMetrics:
                                              ["worker"], buckets=STEP_BUCKETS, registry=r).labels(**labels)
         self.worker_name = worker_name
         self._gc_clock = None
+        self._prefix_cache = None
         r.register(self)  # collect(): what is read at scrape time
 
     def collect(self):
-        """The process's time in garbage collections (engine/gc_policy.py), read from the worker's clock."""
+        """Read at scrape time: the process's time in garbage collections (engine/gc_policy.py) and the prefix
+        cache's counts (engine/prefix_cache.py)."""
         if self._gc_clock is not None:
             family = CounterMetricFamily("gaggle_worker_gc_seconds", "Time in garbage collections, every thread",
                                          labels=["worker"])
             family.add_metric([self.worker_name], self._gc_clock.seconds)
             yield family
+        cache = self._prefix_cache
+        if cache is not None:
+            st = cache.stats
+            for name, doc, value in (
+                    ("lookups", "Prompts looked up in the prefix cache", st.lookups),
+                    ("hits", "Prompts started from a prefix-cache checkpoint", st.hits),
+                    ("tokens_saved", "Prompt tokens taken from the prefix cache instead of prefilled",
+                     st.tokens_saved),
+                    ("checkpoints_made", "Prefix-cache checkpoints made", st.checkpoints_made)):
+                family = CounterMetricFamily(f"gaggle_worker_prefix_cache_{name}", doc, labels=["worker"])
+                family.add_metric([self.worker_name], value)
+                yield family
+            for name, doc, read in (("bytes", "Bytes of prefix-cache checkpoints, by tier", cache.bytes_used),
+                                    ("checkpoints", "Prefix-cache checkpoints held, by tier", cache.checkpoints)):
+                family = GaugeMetricFamily(f"gaggle_worker_prefix_cache_{name}", doc, labels=["worker", "tier"])
+                for tier, on_device in (("device", True), ("host", False)):
+                    family.add_metric([self.worker_name, tier], read(on_device))
+                yield family
 
     def describe(self):
         return []  # collected lazily: no name clash to check at registration
 
     def attach_gc_clock(self, clock) -> None:
         self._gc_clock = clock
+
+    def attach_prefix_cache(self, cache) -> None:
+        self._prefix_cache = cache
 
     def on_step(self, seconds: float, num_outputs: int, running: int, free_slots: int) -> None:
         self.step_seconds.observe(seconds)
@@ -80,6 +103,7 @@ class WorkerMetrics:
 def serve_worker_metrics(worker, port: int) -> WorkerMetrics:
     metrics = WorkerMetrics(worker.cfg.name)
     worker.attach_metrics(metrics)
+    metrics.attach_prefix_cache(getattr(worker.engine, "prefix_cache", None))
     start_http_server(port, registry=metrics.registry)
     log.info("worker metrics served", extra={"worker": worker.cfg.name, "port": port})
     return metrics

@@ -458,4 +458,13 @@ class Worker:
                            model=self.model_name, num_slots=self.engine.num_slots, running=self.engine.num_running,
                            free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),
                            started=self.started, draining=self.draining,
-                           max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size)
+                           max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
+                           **self._prefix_cache_counts())
+
+    def _prefix_cache_counts(self) -> dict:
+        cache = getattr(self.engine, "prefix_cache", None)
+        if cache is None:
+            return {}
+        st = cache.stats
+        return {"prefix_lookups": st.lookups, "prefix_hits": st.hits, "prefix_tokens_saved": st.tokens_saved,
+                "prefix_bytes": cache.bytes_used(True) + cache.bytes_used(False)}

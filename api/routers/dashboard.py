@@ -58,7 +58,10 @@ async def status(broker: Broker, private: bool) -> dict:
         "time": now,
         "workers": [{"name": w.name, "device": w.device, "model": w.model, "age_s": round(now - w.ts, 2),
                      "running": w.running, "free_slots": w.free_slots, "num_slots": w.num_slots,
-                     "tokens_per_s": w.tokens_per_s, "draining": w.draining} for w in workers],
+                     "tokens_per_s": w.tokens_per_s, "draining": w.draining,
+                     "prefix_hit_rate": round(w.prefix_hits / w.prefix_lookups, 3) if w.prefix_lookups else None,
+                     "prefix_tokens_saved": w.prefix_tokens_saved, "prefix_bytes": w.prefix_bytes}
+                    for w in workers],
         "warming": [{"name": w.name, "device": w.device, "model": w.model, "stages": w.stages,
                      "elapsed_s": w.elapsed_s, "status": w.describe()} for w in warming],
         "totals": {"tokens_per_s": sum(w.tokens_per_s for w in workers), "running": sum(w.running for w in workers),
