@@ -22,8 +22,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future
 
 import torch
 
@@ -35,23 +34,15 @@ from engine.sampler import SampleOutput
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Request, Sequence, SequenceOutput, Status, TokenLogprob
 from engine.text import TextStream
+from engine.threads import background
 from engine.tokenizer import WorldTokenizer
 from engine.warmup import WarmupProgress
 from engine.weights import Rwkv7Weights, load_model
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SEED_MASK = (1 << 63) - 1
 SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
-
-
-def _background(fn: Callable[[], T]) -> Future[T]:
-    pool = ThreadPoolExecutor(1, thread_name_prefix="engine-init")
-    try:
-        return pool.submit(fn)
-    finally:
-        pool.shutdown(wait=False)
 
 
 class LLMEngine:
@@ -60,7 +51,7 @@ class LLMEngine:
         """``runner``: a ModelRunner stand-in (engine.synthetic) instead of one built from the weights."""
         self.config = config
         # the bundled vocabulary is parsed (~0.5 s of Python) while the weights load and move to the device
-        reading = None if tokenizer is not None else _background(WorldTokenizer.default)
+        reading = None if tokenizer is not None else background(WorldTokenizer.default)
         self.eos_token_id = WorldTokenizer.eos_token_id
         if runner is None:
             if weights is None:

@@ -66,15 +66,18 @@ class CacheStats:
 
 
 class PrefixCache:
-    """The tree and the tiers. ``demote(payload) -> payload`` copies a device checkpoint to host memory; the
-    runner passes it. ``min_tokens``: no checkpoint for shorter prefixes; ``interval``: checkpoints every that
-    many tokens inside long prompts (0: none); ``max_path_tokens``: the tree's stored paths, bounded."""
+    """The tree and the tiers. The runner passes ``demote(payload) -> payload`` (a device checkpoint copied to
+    host memory, its device storage given back) and ``release(payload)`` (a dropped checkpoint's storage given
+    back). ``min_tokens``: no checkpoint for shorter prefixes; ``interval``: checkpoints every that many tokens
+    inside long prompts (0: none); ``max_path_tokens``: the tree's stored paths, bounded."""
 
     def __init__(self, device_bytes: int, host_bytes: int, demote: Callable[[object], object] | None = None,
-                 min_tokens: int = 32, interval: int = 0, max_path_tokens: int = 4_000_000):
+                 release: Callable[[object], None] | None = None, min_tokens: int = 32, interval: int = 0,
+                 max_path_tokens: int = 4_000_000):
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.demote = demote
+        self.release = release
         self.min_tokens = max(1, min_tokens)
         self.interval = interval
         self.max_path_tokens = max_path_tokens
@@ -154,19 +157,23 @@ class PrefixCache:
 
     # -- checkpoints (the runner) -----------------------------------------------------------------
 
-    def add(self, prefix: list[int], payload: object, nbytes: int, has_logits: bool) -> Checkpoint:
-        """The device state after ``prefix`` (replacing an older one there), then the tiers kept to their caps."""
+    def add(self, prefix: list[int], nbytes: int, has_logits: bool, store: Callable[[], object]) -> Checkpoint | None:
+        """The device state after ``prefix`` (replacing an older one there): room is made in the device tier (its
+        least recently used checkpoints moved to the host tier or dropped), then ``store()`` copies the state and
+        returns its payload. None where it cannot fit at all."""
+        if nbytes > self.device_bytes:
+            return None
         node = self._insert_path(prefix)
         node.pending = False
         if node.checkpoint is not None:
             self._remove(node.checkpoint)
-        cp = Checkpoint(payload, nbytes, on_device=True, has_logits=has_logits, node=node)
+        self._make_room(True, nbytes)
+        cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node)
         node.checkpoint = cp
         node.used = next(self._tick)
         self._tiers[True][id(cp)] = cp
         self._used_bytes[True] += nbytes
         self.stats.checkpoints_made += 1
-        self._enforce_caps()
         return cp
 
     def bytes_used(self, on_device: bool) -> int:
@@ -185,18 +192,19 @@ class PrefixCache:
     def _touch(self, cp: Checkpoint) -> None:
         self._tiers[cp.on_device].move_to_end(id(cp))
 
-    def _enforce_caps(self) -> None:
-        device, host = self._tiers[True], self._tiers[False]
-        while self._used_bytes[True] > self.device_bytes and device:
-            cp = next(iter(device.values()))
-            if self.host_bytes >= cp.nbytes and self.demote is not None:
+    def _make_room(self, on_device: bool, nbytes: int) -> None:
+        """Least recently used checkpoints out of a tier until ``nbytes`` more fit: the device tier's to the host
+        tier (where it has room for them), the host tier's dropped."""
+        tier, cap = self._tiers[on_device], self.device_bytes if on_device else self.host_bytes
+        while tier and self._used_bytes[on_device] + nbytes > cap:
+            cp = next(iter(tier.values()))
+            if on_device and self.demote is not None and cp.nbytes <= self.host_bytes:
                 self._move_to_host(cp)
             else:
                 self._remove(cp)
-        while self._used_bytes[False] > self.host_bytes and host:
-            self._remove(next(iter(host.values())))
 
     def _move_to_host(self, cp: Checkpoint) -> None:
+        self._make_room(False, cp.nbytes)
         del self._tiers[True][id(cp)]
         self._used_bytes[True] -= cp.nbytes
         cp.payload = self.demote(cp.payload)
@@ -210,6 +218,8 @@ class PrefixCache:
         if tier.pop(id(cp), None) is not None:
             self._used_bytes[cp.on_device] -= cp.nbytes
             self.stats.dropped += 1
+            if self.release is not None:
+                self.release(cp.payload)
         if cp.node is not None and cp.node.checkpoint is cp:
             cp.node.checkpoint = None
         cp.payload = None

@@ -16,7 +16,8 @@ from engine.device import to_device
 from engine.sampler import Admission, PendingSample, SampleOutput, Sampler
 from engine.scheduler import PrefillChunk, SchedulerOutput
 from engine.sequence import Sequence, TokenLogprob
-from engine.state import StatePool
+from engine.state import CheckpointSlab, StatePool
+from engine.threads import background
 from engine.warmup import WarmupProgress
 from engine.weights import Rwkv7Weights
 
@@ -88,14 +89,43 @@ class ModelRunner:
                          prefill_graphs=self.config.prefill_graphs)
 
     def make_prefix_cache(self) -> PrefixCache | None:
-        """The prompt-prefix cache for this runner's slots (None where the config turns it off)."""
+        """The prompt-prefix cache for this runner's slots (None where the config turns it off): its device tier a
+        slab of checkpoint rows beside the slots, its host tier one in pinned memory (CUDA; allocated in the
+        background, ready by the first time a checkpoint moves there)."""
         c = self.config
-        if c.prefix_cache_gib <= 0:
+        row_bytes = CheckpointSlab.row_bytes(self.pool, self.vocab_size, torch.float32)
+        device_rows = int(c.prefix_cache_gib * 2**30 // row_bytes)
+        if device_rows < 1:
             return None
-        host = c.prefix_cache_host_gib if self.device.type == "cuda" else 0.0  # on a CPU the device tier is RAM
-        self.prefix_cache = PrefixCache(int(c.prefix_cache_gib * 2**30), int(host * 2**30), demote=_to_pinned_host,
-                                        min_tokens=c.prefix_min_tokens, interval=c.prefix_interval)
+        host_rows = int(c.prefix_cache_host_gib * 2**30 // row_bytes) if self.device.type == "cuda" else 0
+        self._slabs = {True: CheckpointSlab(self.pool, device_rows, self.vocab_size, torch.float32, self.device)}
+        self._host_slab = background(lambda: CheckpointSlab(self.pool, host_rows, self.vocab_size, torch.float32,
+                                                             "cpu", pinned=True)) if host_rows else None
+        self.prefix_cache_row_bytes = row_bytes
+        self.prefix_cache = PrefixCache(device_rows * row_bytes, host_rows * row_bytes, demote=self._demote,
+                                        release=self._release, min_tokens=c.prefix_min_tokens,
+                                        interval=c.prefix_interval)
+        log.info("prefix cache", extra={"device_checkpoints": device_rows, "host_checkpoints": host_rows,
+                                        "checkpoint_bytes": row_bytes})
         return self.prefix_cache
+
+    def _slab(self, on_device: bool) -> CheckpointSlab:
+        if not on_device and False not in self._slabs:
+            self._slabs[False] = self._host_slab.result()
+        return self._slabs[on_device]
+
+    def _demote(self, payload: tuple[bool, int]) -> tuple[bool, int]:
+        """A device checkpoint's row copied to a host row (queued), the device row given back."""
+        _, row = payload
+        host = self._slab(False)
+        host_row = host.take()
+        self._slabs[True].copy_row(row, host, host_row)
+        self._slabs[True].give(row)
+        return False, host_row
+
+    def _release(self, payload: tuple[bool, int]) -> None:
+        on_device, row = payload
+        self._slab(on_device).give(row)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Fresh state (or a prefix checkpoint's) and sampler settings for sequences that just got a slot."""
@@ -105,8 +135,8 @@ class ModelRunner:
         self.pool.reset(slots)
         for s in seqs:
             if s.checkpoint is not None:
-                att, ffn, wkv, _ = s.checkpoint.payload
-                self.pool.write(s.slot, att, ffn, wkv)
+                on_device, row = s.checkpoint.payload
+                self._slab(on_device).restore(row, self.pool, s.slot)
         self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
                                  self.eos_token_ids, slot_index=slots)
 
@@ -199,7 +229,8 @@ class ModelRunner:
             kept = []
             for chunk in batch.prefills:
                 if chunk.end == chunk.start:  # the whole prompt from a checkpoint: its stored logits
-                    row = chunk.seq.checkpoint.payload[3].to(self.device, non_blocking=True)
+                    on_device, stored = chunk.seq.checkpoint.payload
+                    row = self._slab(on_device).logits[stored].to(self.device, non_blocking=True)
                 else:
                     i += 1
                     row = rows[i]
@@ -233,12 +264,15 @@ class ModelRunner:
         return LaunchedStep(seqs, sample.start_transfer())
 
     def _keep_checkpoint(self, chunk: PrefillChunk, row: torch.Tensor) -> None:
-        """The slot's state after ``chunk`` and its last logits, copied (queued after the prefill) into the cache."""
-        slot = chunk.seq.slot
-        payload = (self.pool.att_shift[:, slot].clone(), self.pool.ffn_shift[:, slot].clone(),
-                   self.pool.wkv[:, slot].clone(), row.clone())
-        nbytes = sum(t.numel() * t.element_size() for t in payload)
-        self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], payload, nbytes, has_logits=True)
+        """The slot's state after ``chunk`` and its last logits, copied (queued after the prefill) into a device
+        row of the cache."""
+        slab = self._slabs[True]
+
+        def store() -> tuple[bool, int]:
+            r = slab.take()
+            slab.save(r, self.pool, chunk.seq.slot, row)
+            return True, r
+        self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], self.prefix_cache_row_bytes, True, store)
 
     def _record_event(self):
         if self.device.type != "cuda":
@@ -280,11 +314,3 @@ class ModelRunner:
             self.sampler.copy_slot(lead.slot, s.slot, s.seed)
 
 
-def _to_pinned_host(payload: tuple) -> tuple:
-    """A device checkpoint's copy in pinned host memory (queued: later uses are stream-ordered after it)."""
-    out = []
-    for t in payload:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        host.copy_(t, non_blocking=t.is_cuda)
-        out.append(host)
-    return tuple(out)

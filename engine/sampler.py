@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ from engine.params import SamplingParams
 from engine.sample_layout import (I_SEED_KEY, NUM_F, NUM_I, DeviceSample, Features, PendingSample, SampleOutput,
                                   SlotTables)
 from engine.sample_torch import process_logits, seed_key, torch_sample, vocab_keys
+from engine.threads import background
 from engine.warmup import WarmupProgress
 
 __all__ = ["Admission", "DeviceSample", "Features", "PendingSample", "SampleOutput", "Sampler", "SlotTables"]
@@ -292,11 +293,7 @@ class Sampler:
             with progress.stage(stage, len(compile_jobs(self.vocab_size, batch_sizes))):
                 apart = self._kernel is not None and compile_apart is not None and compile_apart(advance)
                 self.warm_up(batch_sizes, threads=os.cpu_count() or 1, compiled=None if apart else advance)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="sampler-warm-up")
-        try:
-            return pool.submit(run)
-        finally:
-            pool.shutdown(wait=False)
+        return background(run, "sampler-warm-up")
 
     # ---------------------------------------------------------------- internals
 

@@ -24,8 +24,8 @@ def cache(**kw) -> PrefixCache:
 def test_a_prompt_starts_from_the_longest_checkpoint_on_its_path():
     c = cache()
     shared = list(range(10, 30))
-    c.add(shared[:8], "s8", 10, has_logits=True)
-    c.add(shared, "s20", 10, has_logits=True)
+    c.add(shared[:8], 10, True, lambda: "s8")
+    c.add(shared, 10, True, lambda: "s20")
     plan = c.plan(shared + [1, 2, 3])
     assert (plan.tokens, plan.checkpoint.payload, plan.split_at) == (20, "s20", None)
     plan = c.plan(shared[:12] + [99, 98])  # leaves the path at 12: starts at 8, makes a checkpoint at 12
@@ -35,8 +35,8 @@ def test_a_prompt_starts_from_the_longest_checkpoint_on_its_path():
 
 def test_a_whole_prompt_is_a_hit_only_with_its_logits():
     c = cache()
-    c.add([1, 2, 3, 4, 5], "with", 10, has_logits=True)
-    c.add([1, 2, 3, 4, 5, 6], "without", 10, has_logits=False)
+    c.add([1, 2, 3, 4, 5], 10, True, lambda: "with")
+    c.add([1, 2, 3, 4, 5, 6], 10, False, lambda: "without")
     assert c.plan([1, 2, 3, 4, 5]).tokens == 5
     plan = c.plan([1, 2, 3, 4, 5, 6])
     assert (plan.tokens, plan.checkpoint.payload) == (5, "with")  # the last token is prefilled for its logits
@@ -44,9 +44,9 @@ def test_a_whole_prompt_is_a_hit_only_with_its_logits():
 
 def test_short_divergences_make_no_checkpoint_and_prompt_logprobs_start_at_zero():
     c = cache()
-    c.add([1, 2, 3, 9, 9, 9], "x", 10, has_logits=True)
+    c.add([1, 2, 3, 9, 9, 9], 10, True, lambda: "x")
     assert c.plan([1, 2, 3, 7, 7]).split_at is None  # 3 < min_tokens
-    c.add([1, 2, 3, 4, 5, 6], "y", 10, has_logits=True)
+    c.add([1, 2, 3, 4, 5, 6], 10, True, lambda: "y")
     plan = c.plan([1, 2, 3, 4, 5, 6, 7], use_checkpoints=False)
     assert plan.tokens == 0 and plan.checkpoint is None
 
@@ -60,22 +60,23 @@ def test_a_prompt_waits_for_a_checkpoint_being_made_this_step():
 
 
 def test_the_device_tier_pushes_its_least_recent_to_the_host_tier_then_out():
-    moved = []
-    c = cache(device_bytes=20, host_bytes=10, demote=lambda p: moved.append(p) or f"host:{p}")
-    c.add([1, 1, 1, 1], "a", 10, True)
-    c.add([2, 2, 2, 2], "b", 10, True)
+    moved, released = [], []
+    c = cache(device_bytes=20, host_bytes=10, demote=lambda p: moved.append(p) or f"host:{p}", release=released.append)
+    c.add([1, 1, 1, 1], 10, True, lambda: "a")
+    c.add([2, 2, 2, 2], 10, True, lambda: "b")
     c.plan([1, 1, 1, 1, 5])  # a used: b is now the least recent
-    c.add([3, 3, 3, 3], "c", 10, True)
+    c.add([3, 3, 3, 3], 10, True, lambda: "c")
     assert moved == ["b"] and c.plan([2, 2, 2, 2, 5]).checkpoint.payload == "host:b"
-    c.add([4, 4, 4, 4], "d", 10, True)  # a goes to the host, b out of it
+    c.add([4, 4, 4, 4], 10, True, lambda: "d")  # a goes to the host, b out of it
     assert c.plan([2, 2, 2, 2, 5]).checkpoint is None
-    assert (c.bytes_used(True), c.bytes_used(False)) == (20, 10)
+    assert (c.bytes_used(True), c.bytes_used(False)) == (20, 10) and released == ["host:b"]
+    assert c.add([5] * 4, 21, True, lambda: "too big") is None  # larger than the device tier: not kept
 
 
 def test_the_paths_are_bounded():
     c = cache(max_path_tokens=100)
     for i in range(50):
-        c.add([i] * 10, f"p{i}", 1, True)
+        c.add([i] * 10, 1, True, lambda: f"p{i}")
     assert c._path_tokens <= 100
     assert c.plan([49] * 10).checkpoint is not None  # the most recent stay
 

@@ -116,7 +116,7 @@ def exported_metrics() -> set[str]:
     worker.gpu_utilization.set(0.5)
     from engine.prefix_cache import PrefixCache
     cache = PrefixCache(100, 0, min_tokens=1)
-    cache.add([1, 2, 3], "state", 10, has_logits=True)
+    cache.add([1, 2, 3], 10, True, lambda: "state")
     cache.plan([1, 2, 3, 4])
     worker.attach_prefix_cache(cache)
     text += generate_latest(worker.registry).decode()
