@@ -336,6 +336,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason, text: str) -> str:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self._release_sampler_slots([seq.slot])
+        if self.prefix_cache is not None and reason != FinishReason.ABORT:
+            self.runner.keep_finished(seq)
         self.scheduler.finish(seq)
         family = self._sequences.get(seq.request_id, [])
         if all(s.status == Status.FINISHED for s in family):

@@ -166,6 +166,10 @@ class PrefixCache:
         node = self._insert_path(prefix)
         node.pending = False
         if node.checkpoint is not None:
+            if node.checkpoint.has_logits and not has_logits:  # the one there serves more: keep it
+                node.used = next(self._tick)
+                self._touch(node.checkpoint)
+                return node.checkpoint
             self._remove(node.checkpoint)
         self._make_room(True, nbytes)
         cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node)

@@ -274,6 +274,24 @@ class ModelRunner:
             return True, r
         self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], self.prefix_cache_row_bytes, True, store)
 
+    def keep_finished(self, seq: Sequence) -> None:
+        """A finished sequence's state, kept under the tokens it has consumed: its prompt and every output token
+        a decode fed it (all but the last, or all where the overlapped step decoded once more). The next chat
+        turn re-sends them and starts there. No logits: they were not kept."""
+        consumed = seq.num_launched - 1
+        prefix_len = seq.num_prompt_tokens + consumed
+        if seq.slot is None or not 0 <= consumed <= len(seq.output_token_ids) or \
+                prefix_len < self.prefix_cache.min_tokens:
+            return
+        slab, slot = self._slabs[True], seq.slot
+
+        def store() -> tuple[bool, int]:
+            r = slab.take()
+            slab.save(r, self.pool, slot, None)
+            return True, r
+        self.prefix_cache.add(seq.prompt_token_ids + seq.output_token_ids[:consumed], self.prefix_cache_row_bytes,
+                              False, store)
+
     def _record_event(self):
         if self.device.type != "cuda":
             return None

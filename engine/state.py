@@ -84,12 +84,13 @@ class CheckpointSlab:
     def num_free(self) -> int:
         return len(self._free)
 
-    def save(self, row: int, pool: StatePool, slot: int, logits: torch.Tensor) -> None:
-        """A pool slot's state and a logits row into ``row``."""
+    def save(self, row: int, pool: StatePool, slot: int, logits: torch.Tensor | None) -> None:
+        """A pool slot's state and a logits row (None: none kept) into ``row``."""
         self.att_shift[row].copy_(pool.att_shift[:, slot], non_blocking=True)
         self.ffn_shift[row].copy_(pool.ffn_shift[:, slot], non_blocking=True)
         self.wkv[row].copy_(pool.wkv[:, slot], non_blocking=True)
-        self.logits[row].copy_(logits, non_blocking=True)
+        if logits is not None:
+            self.logits[row].copy_(logits, non_blocking=True)
 
     def restore(self, row: int, pool: StatePool, slot: int) -> None:
         pool.write(slot, self.att_shift[row], self.ffn_shift[row], self.wkv[row])

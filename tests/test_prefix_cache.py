@@ -151,3 +151,30 @@ def test_the_cache_off_changes_nothing(tiny_weights):
     engine = make_engine(tiny_weights, prefix_cache_gib=0)
     assert engine.prefix_cache is None and engine.scheduler.prefix_cache is None
     assert torch.is_tensor(engine.runner.pool.wkv)
+
+
+@pytest.mark.parametrize("kind", PARAMS)
+def test_the_next_chat_turn_starts_where_the_last_one_ended(tiny_weights, kind):
+    turn1 = tokens(40, seed=30)
+    cold, warm = make_engine(tiny_weights, prefix_cache_gib=0), make_engine(tiny_weights, prefix_min_tokens=16)
+    out1, _, _ = run_one(warm, "t1", turn1, **PARAMS[kind])
+    assert out1 == run_one(cold, "t1", turn1, **PARAMS[kind])[0]
+    turn2 = turn1 + out1 + tokens(7, seed=31)  # the history re-sent, then the new message
+    got = run_one(warm, "t2", turn2, **PARAMS[kind])
+    assert got[:2] == run_one(cold, "t2", turn2, **PARAMS[kind])[:2]
+    # every output token but the last was fed back by a decode (8 tokens, max_tokens: no decode after the last)
+    assert got[2] == len(turn1) + len(out1) - 1
+
+
+def test_the_default_chat_template_puts_each_turn_inside_the_next():
+    from api.prompts import render_chat
+    from api.schemas import ChatMessage
+    from api.settings import Settings
+    from engine.tokenizer import WorldTokenizer
+    tok, settings = WorldTokenizer.default(), Settings()
+    history = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi there")]
+    before = tok.encode(render_chat(history, settings, True))
+    history += [ChatMessage(role="assistant", content="Hello! How can I help?"),
+                ChatMessage(role="user", content="Tell me more.")]
+    after = tok.encode(render_chat(history, settings, True))
+    assert after[:len(before)] == before and len(after) > len(before)
