@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # the areas BENCHMARKS.md keeps a block for (any other name gets a new section at the end)
 AREAS = ("engine", "sampler", "serving-loop", "served", "batch", "redis", "accept-rate", "constrained",
-         "cold-start")
+         "cold-start", "prefix-cache")
 _AREA = re.compile(r"[a-z0-9][a-z0-9-]*")
 _SHELL_SPECIAL = re.compile(r"[\s'\"$`\\|&;<>()*?!#~]")
 
