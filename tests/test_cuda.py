@@ -619,3 +619,39 @@ def test_plain_greedy_argmax_path_equals_the_kernel():
     want = sample_rows(logits, slots, kernel.tables, Features(greedy=True), kernel._kernel, record=True).tokens
     assert torch.equal(got, want) and int(got[3]) == 100
     assert torch.equal(fast._generated, kernel._generated)
+
+
+@pytest.mark.gpu
+def test_prefix_cache_on_cuda_resumes_what_a_cold_prefill_computes(tmp_path):
+    """A prompt started from a prefix state (on the device, and moved to the host tier) predicts what the whole
+    prompt prefilled from token 0 does: the same first token, logprobs within bf16 noise (the split differs, so
+    the GEMMs' shapes do: last bits, as between batch sizes)."""
+    from engine.demo import write_demo_model
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=5)
+    shared = [1 + (k * 37) % 60000 for k in range(192)]
+    prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def first_tokens(engine):
+        got = []
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", p, params))
+            outs = []
+            while engine.has_work():
+                outs += engine.step()
+            got.append((outs[0].token_ids[0], outs[0].logprobs[0].logprob, outs[0].num_cached_tokens))
+        return got
+
+    cold = first_tokens(_cuda_engine(path, prefix_cache_gib=0))
+    warm_engine = _cuda_engine(path)
+    warm = first_tokens(warm_engine)
+    assert [c for _, _, c in warm] == [0, 0, 192, 192]
+    for (t_cold, lp_cold, _), (t_warm, lp_warm, _) in zip(cold, warm):
+        assert t_cold == t_warm and abs(lp_cold - lp_warm) < 2e-2
+    # the device tier pushed to the host and back
+    cache = warm_engine.prefix_cache
+    cache.device_bytes = warm_engine.runner.prefix_cache_row_bytes
+    again = first_tokens(warm_engine)
+    assert cache.stats.demoted > 0 and [t for t, _, _ in again] == [t for t, _, _ in cold]
