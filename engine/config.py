@@ -28,7 +28,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring none
     async_scheduling: bool = True  # launch step t+1 before finishing step t on the host (engine.engine)
     prefix_cache_gib: float = 2.0  # prompt-prefix states kept beside the slots (engine.prefix_cache; 0: no cache)
-    prefix_cache_host_gib: float = 8.0  # ... and in pinned host memory once pushed out of the device (CUDA only)
+    prefix_cache_host_gib: float = 4.0  # ... and in pinned host memory once pushed out of the device (CUDA only)
     prefix_min_tokens: int = 32  # no checkpoint for shorter prefixes
     prefix_interval: int = 4096  # checkpoints every this many tokens inside long prompts (0: none)
 
