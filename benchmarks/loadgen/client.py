@@ -121,6 +121,7 @@ async def _read_stream(response: Response, record: RequestRecord, sent: float) -
         record.e2e = last - sent
         record.output_tokens = (usage or {}).get("completion_tokens") or num_chunks
         record.prompt_tokens = (usage or {}).get("prompt_tokens") or record.prompt_tokens
+        record.cached_tokens = cached_tokens(usage)
 
 
 async def _read_whole(response: Response, record: RequestRecord, sent: float) -> None:
@@ -130,6 +131,12 @@ async def _read_whole(response: Response, record: RequestRecord, sent: float) ->
     record.is_success = True
     record.output_tokens = usage.get("completion_tokens", 0)
     record.prompt_tokens = usage.get("prompt_tokens") or record.prompt_tokens
+    record.cached_tokens = cached_tokens(usage)
+
+
+def cached_tokens(usage: dict | None) -> int:
+    """Prompt tokens the server reports as cached (OpenAI's usage.prompt_tokens_details; 0 where absent)."""
+    return ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 async def send_one(pool: Pool, head: bytes, body: bytes, is_stream: bool, record: RequestRecord, t0: float,

@@ -90,6 +90,7 @@ def _timed_run(engine, request, prompts: list[list[int]], arrivals: list[float],
                 rec.itl.append(now - last[i])
             else:
                 rec.ttft = now - rec.start
+                rec.cached_tokens = out.num_cached_tokens
             last[i] = now
             if out.finished:
                 rec.is_success, rec.output_tokens = True, out.num_output_tokens

@@ -31,6 +31,7 @@ class RequestRecord:
     end: float = 0.0  # the response read to its end (from the run's start)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the server took from its prefix cache (usage reports it)
     error: str | None = None
     request_id: str | None = None  # the response's id (the server's request id: joins the server's logs)
     sent_wall: float = 0.0  # time.time() when sent (the server's logs stamp wall time)
@@ -62,6 +63,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict:
     metrics = {
         "completed": len(ok), "failed": len(failed), "duration_s": duration_s,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "total_cached_input_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration_s, "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
         "errors": [r.error for r in failed[:MAX_ERRORS_KEPT]],
@@ -98,6 +100,8 @@ def format_table(metrics: dict, title: str, config: dict, client: dict | None) -
         lines.append(_row("Request rate configured (RPS):", config["request_rate"], ".2f"))
     lines += [_row("Benchmark duration (s):", metrics["duration_s"], ".2f"),
               _row("Total input tokens:", metrics["total_input_tokens"]),
+              _row("Input tokens computed (not cached):",
+                   metrics["total_input_tokens"] - metrics.get("total_cached_input_tokens", 0)),
               _row("Total generated tokens:", metrics["total_output_tokens"]),
               _row("Request throughput (req/s):", metrics["request_throughput"], ".2f"),
               _row("Output token throughput (tok/s):", metrics["output_throughput"], ".2f"),
