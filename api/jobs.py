@@ -73,7 +73,7 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
     draft = completion_draft(body)
     _constrain(draft, constraint_of(body))
     max_tokens = fit_lengths(prompts, draft.max_tokens, limits, explicit=body.max_tokens is not None)
-    params = final_params(draft, max_tokens, limits.vocab_size)
+    params = final_params(draft, max_tokens, limits)
     shape = Shape(id=c.new_request_id("cmpl"), endpoint="completions", created=int(time.time()),
                   model=settings.model_name, n=n, echo_texts=[p.text for p in prompts] if body.echo else None,
                   include_usage=_include_usage(body), score_only=score_only)
@@ -102,7 +102,7 @@ async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings,
     _constrain(draft, constraint)
     explicit = body.max_completion_tokens is not None or body.max_tokens is not None
     max_tokens = fit_lengths(prompts, draft.max_tokens, limits, explicit)
-    params = final_params(draft, max_tokens, limits.vocab_size)
+    params = final_params(draft, max_tokens, limits)
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
                   model=settings.model_name, n=n, include_usage=_include_usage(body), tools=tool_plan.parse)
     return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)

@@ -28,6 +28,7 @@ class Limits:
     max_model_len: int  # prompt + max_tokens
     vocab_size: int  # token ids in prompts lie below this
     max_n: int  # choices per prompt: each takes a slot of one worker (and a queue entry holds at most c.MAX_N)
+    states: frozenset[str] | None = None  # initial states every live worker holds (None: no worker to ask)
 
     @classmethod
     def of(cls, settings: Settings, workers: Iterable[c.Heartbeat] = ()) -> "Limits":
@@ -39,7 +40,8 @@ class Limits:
         return cls(max_prompt_tokens=settings.max_prompt_tokens,
                    max_model_len=tightest(settings.max_model_len, (w.max_model_len for w in workers)),
                    vocab_size=tightest(VOCAB_SIZE, (w.vocab_size for w in workers)),
-                   max_n=tightest(min(settings.max_n, c.MAX_N), (w.num_slots for w in workers)))
+                   max_n=tightest(min(settings.max_n, c.MAX_N), (w.num_slots for w in workers)),
+                   states=frozenset.intersection(*(frozenset(w.states) for w in workers)) if workers else None)
 
 
 async def current_limits(broker: Broker, settings: Settings) -> Limits:

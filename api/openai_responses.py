@@ -93,6 +93,7 @@ class ResponsesRequest(_Body):
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
     seed: Annotated[int, ranged("seed")] | None = None  # vLLM's extension, as in chat
+    state: Text | None = None  # Gaggle's extension, as in chat: a named initial state
     # defined by OpenAI, not implemented (api.unsupported)
     store: Any = None
     previous_response_id: Any = None
@@ -131,7 +132,8 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                           "unsupported_field")
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body), "stream": body.stream,
                             "max_tokens": body.max_output_tokens, "temperature": body.temperature,
-                            "top_p": body.top_p, "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls}
+                            "top_p": body.top_p, "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls,
+                            "state": body.state}
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         chat["response_format"] = {"type": "json_schema", "json_schema": {

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.errors import OpenAIError, bad_request
+from api.limits import Limits
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.params import ParamError, SamplingParams, token_id_of
 
@@ -74,6 +75,7 @@ def _common(body: SamplingFields, max_tokens: int) -> Draft:
         "stop_token_ids": list(body.stop_token_ids or []),
         "include_stop_str_in_output": bool(body.include_stop_str_in_output),
         "ignore_eos": bool(body.ignore_eos),
+        "state": body.state,
     })
 
 
@@ -88,13 +90,19 @@ def _logit_bias(given: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def final_params(draft: Draft, max_tokens: list[int], vocab_size: int) -> list[SamplingParams]:
+def final_params(draft: Draft, max_tokens: list[int], limits: Limits) -> list[SamplingParams]:
     """Each prompt's SamplingParams with its fitted max_tokens, built (so checked) once per distinct value, token
-    ids against ``vocab_size`` (the live workers' smallest vocabulary); a 400 naming the field otherwise."""
+    ids against the live workers' smallest vocabulary and an initial state against those every live worker
+    holds; a 400 naming the field otherwise."""
     built: dict[int, SamplingParams] = {}
     for m in max_tokens:
         if m not in built:
-            built[m] = _built(draft, m, vocab_size)
+            built[m] = _built(draft, m, limits.vocab_size)
+    state = draft.fields.get("state")
+    if state is not None and limits.states is not None and state not in limits.states:
+        held = ", ".join(sorted(limits.states)) or "none (start workers with --state NAME=FILE)"
+        raise bad_request(f"state {state!r} is not an initial state the workers hold; they hold: {held}", "state",
+                          "unknown_state")
     return [built[m] for m in max_tokens]
 
 

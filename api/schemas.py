@@ -95,6 +95,7 @@ class SamplingFields(_Body):
     stop_token_ids: list[Annotated[int, documented(TOKEN_IDS)]] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    state: Text | None = None  # Gaggle: start from this named initial state (a worker's --state NAME=FILE)
     # hints that cannot change an answer: accepted (README, "Fields")
     metadata: dict[str, Text] | None = None
     safety_identifier: Text | None = None

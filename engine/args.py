@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import BACKENDS, DTYPES, EngineConfig
+from engine.params import STATE_NAME
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
@@ -62,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, type=int, default=None, **extra)
         else:
             g.add_argument(flag, type=str if default is None else type(default), default=default, **extra)
+    g.add_argument("--state", action="append", default=[], metavar="NAME=FILE",
+                   help="an initial state a request may start from (\"state\": NAME): a state-tuning .pth "
+                        "(blocks.N.att.time_state per layer); repeatable")
     g.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the demo model and embedded Redis data live")
 
 
@@ -83,7 +87,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
                         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        **scheduling_args(args))
+                        prefix_cache_gib=args.prefix_cache_gib, prefix_cache_host_gib=args.prefix_cache_host_gib,
+                        prefix_min_tokens=args.prefix_min_tokens, prefix_interval=args.prefix_interval,
+                        initial_states=parse_states(args.state), **scheduling_args(args))
+
+
+def parse_states(specs: list[str]) -> dict[str, str]:
+    """``--state NAME=FILE`` flags as {name: file}; ValueError naming the bad one."""
+    states: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not STATE_NAME.fullmatch(name) or not path:
+            raise ValueError(f"--state takes NAME=FILE (a name of letters, digits, '.', '_' or '-'), got {spec!r}")
+        if name in states:
+            raise ValueError(f"--state {name} is given twice")
+        if not Path(path).is_file():
+            raise ValueError(f"--state {name}: no such file: {path}")
+        states[name] = path
+    return states
 
 
 def scheduling_args(args: argparse.Namespace) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "reference", "cuda")
@@ -31,6 +31,7 @@ class EngineConfig:
     prefix_cache_host_gib: float = 4.0  # ... and in pinned host memory once pushed out of the device (CUDA only)
     prefix_min_tokens: int = 32  # no checkpoint for shorter prefixes
     prefix_interval: int = 4096  # checkpoints every this many tokens inside long prompts (0: none)
+    initial_states: dict[str, str] = field(default_factory=dict)  # name -> state-tuning file (engine.initial_states)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

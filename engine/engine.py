@@ -122,6 +122,14 @@ class LLMEngine:
                              f"({request.params.max_tokens}) = {total} exceeds max_model_len "
                              f"({self.config.max_model_len})")
         request.params.check_vocabulary(vocab)
+        state = request.params.state
+        if state is not None and state not in self.state_names:
+            raise ValueError(f"state {state!r} is not loaded here (loaded: {', '.join(self.state_names) or 'none'})")
+
+    @property
+    def state_names(self) -> list[str]:
+        """The initial states a request may name (``--state``)."""
+        return sorted(getattr(self.runner, "initial_states", {}))
 
     @property
     def grammars(self):

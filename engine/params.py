@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 # -- limits ------------------------------------------------------------------------------------------
@@ -26,6 +27,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_STRUCTURED_BYTES = 256 * 1024  # what one constraint may weigh on the wire
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+STATE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an initial state's name (``--state NAME=FILE``)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     structured: dict | None = None  # constrained decoding: {"type", "value"} (engine.grammar)
+    state: str | None = None  # start from this named initial state (a tuned state), not the zero state
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -129,6 +132,8 @@ class SamplingParams:
             _check(bias in LOGIT_BIAS, "logit_bias", f"logit_bias values must be {LOGIT_BIAS}, got {bias}")
         if self.structured is not None:
             validate_structured(self.structured)
+        _check(self.state is None or (isinstance(self.state, str) and STATE_NAME.fullmatch(self.state) is not None),
+               "state", "state must name an initial state: 1 to 64 letters, digits, '.', '_' or '-'")
         if vocab_size is not None:
             self.check_vocabulary(vocab_size)
 
@@ -264,6 +269,11 @@ def _logit_bias(name: str, value: object) -> dict[int, float]:
     return out
 
 
+def _optional_str(name: str, value: object) -> str | None:
+    _check(value is None or type(value) is str, name, f"{name} must be a string")
+    return value
+
+
 def _structured(name: str, value: object) -> dict | None:
     _check(value is None or type(value) is dict, name, f"{name} must be an object")
     return value
@@ -280,4 +290,5 @@ _WIRE_TYPES = {
     "include_stop_str_in_output": _bool,
     "ignore_eos": _bool,
     "structured": _structured,
+    "state": _optional_str,
 }

@@ -81,7 +81,7 @@ class PrefixCache:
         self.min_tokens = max(1, min_tokens)
         self.interval = interval
         self.max_path_tokens = max_path_tokens
-        self.root = Node((), None, 0)
+        self._roots: dict[str | None, Node] = {}  # a tree per initial state (None: the zero state)
         self.stats = CacheStats()
         self._tick = itertools.count(1)
         self._path_tokens = 0
@@ -91,14 +91,15 @@ class PrefixCache:
 
     # -- planning (the scheduler) -----------------------------------------------------------------
 
-    def plan(self, prompt: list[int], use_checkpoints: bool = True) -> Plan:
-        """Where ``prompt`` starts. A checkpoint at the prompt's full length counts only with its logits (a
-        prefill of at least one token gives them otherwise). ``use_checkpoints`` False: no start from a
-        checkpoint (prompt logprobs score every position), only the split that makes one."""
+    def plan(self, prompt: list[int], use_checkpoints: bool = True, root: str | None = None) -> Plan:
+        """Where ``prompt`` starts (from the initial state ``root``; None: the zero state). A checkpoint at the
+        prompt's full length counts only with its logits (a prefill of at least one token gives them otherwise).
+        ``use_checkpoints`` False: no start from a checkpoint (prompt logprobs score every position), only the
+        split that makes one."""
         self.stats.lookups += 1
         tick = next(self._tick)
         plan = Plan()
-        node, matched = self.root, 0
+        node, matched = self._root(root), 0
         pending_beyond = False
         while matched < len(prompt):
             child = node.children.get(prompt[matched])
@@ -142,9 +143,9 @@ class PrefixCache:
             return False
         return end == prompt_len or end == split_at or (self.interval > 0 and end % self.interval == 0)
 
-    def expect(self, prefix: list[int]) -> None:
+    def expect(self, prefix: list[int], root: str | None = None) -> None:
         """A chunk ending after ``prefix`` is launched this step: later prompts on its path wait for it."""
-        node = self._insert_path(prefix)
+        node = self._insert_path(prefix, root)
         node.pending = True
         self._pending.append(node)
 
@@ -157,13 +158,14 @@ class PrefixCache:
 
     # -- checkpoints (the runner) -----------------------------------------------------------------
 
-    def add(self, prefix: list[int], nbytes: int, has_logits: bool, store: Callable[[], object]) -> Checkpoint | None:
+    def add(self, prefix: list[int], nbytes: int, has_logits: bool, store: Callable[[], object],
+            root: str | None = None) -> Checkpoint | None:
         """The device state after ``prefix`` (replacing an older one there): room is made in the device tier (its
         least recently used checkpoints moved to the host tier or dropped), then ``store()`` copies the state and
         returns its payload. None where it cannot fit at all."""
         if nbytes > self.device_bytes:
             return None
-        node = self._insert_path(prefix)
+        node = self._insert_path(prefix, root)
         node.pending = False
         if node.checkpoint is not None:
             if node.checkpoint.has_logits and not has_logits:  # the one there serves more: keep it
@@ -228,9 +230,15 @@ class PrefixCache:
             cp.node.checkpoint = None
         cp.payload = None
 
-    def _insert_path(self, tokens: list[int]) -> Node:
+    def _root(self, key: str | None) -> Node:
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = Node((), None, 0)
+        return root
+
+    def _insert_path(self, tokens: list[int], root: str | None = None) -> Node:
         """The node at exactly ``len(tokens)`` on the path of ``tokens`` (made, and edges split, as needed)."""
-        node, at = self.root, 0
+        node, at = self._root(root), 0
         tick = next(self._tick)
         while at < len(tokens):
             child = node.children.get(tokens[at])
@@ -264,19 +272,19 @@ class PrefixCache:
     def _prune_paths(self, keep: Node) -> None:
         """Drop least recently used leaves (and their checkpoints) until the paths fit in 90% of the bound."""
         leaves = []
-        stack = [self.root]
+        stack = list(self._roots.values())
         while stack:
             n = stack.pop()
             if n.children:
                 stack.extend(n.children.values())
-            elif n is not self.root:
+            elif n.parent is not None:
                 leaves.append(n)
         leaves.sort(key=lambda n: n.used)
         for leaf in leaves:
             if self._path_tokens <= 0.9 * self.max_path_tokens:
                 break
             node = leaf
-            while node is not self.root and not node.children and node is not keep and not node.pending:
+            while node.parent is not None and not node.children and node is not keep and not node.pending:
                 if node.checkpoint is not None:
                     self._remove(node.checkpoint)
                 parent = node.parent

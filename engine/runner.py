@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.initial_states import load_initial_state
 from engine.model import ReferenceRwkv7
 from engine.prefix_cache import PrefixCache
 from engine.device import to_device
@@ -48,6 +49,9 @@ class ModelRunner:
         # one extra scratch slot: padding rows of a CUDA-graph batch write there
         self.pool = StatePool(self.shape, self.num_slots + 1, self.device, self.dtype, self.state_dtype)
         self.model = self._make_model(weights)
+        self.initial_states = {name: load_initial_state(name, path, self.shape, self.device, self.dtype,
+                                                        self.state_dtype)
+                               for name, path in config.initial_states.items()}
         self.sampler = Sampler(self.num_slots, self.shape.vocab_size, self.device)
         # each slot's last sampled token: the next decode's input, never through the host
         self.last_tokens = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
@@ -137,6 +141,9 @@ class ModelRunner:
             if s.checkpoint is not None:
                 on_device, row = s.checkpoint.payload
                 self._slab(on_device).restore(row, self.pool, s.slot)
+            elif s.params.state is not None:
+                init = self.initial_states[s.params.state]
+                self.pool.write(s.slot, init.att_shift, init.ffn_shift, init.wkv)
         self.sampler.reset_slots([Admission(s.slot, s.params, s.seed, s.prompt_token_ids) for s in seqs],
                                  self.eos_token_ids, slot_index=slots)
 
@@ -272,7 +279,8 @@ class ModelRunner:
             r = slab.take()
             slab.save(r, self.pool, chunk.seq.slot, row)
             return True, r
-        self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], self.prefix_cache_row_bytes, True, store)
+        self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], self.prefix_cache_row_bytes, True, store,
+                              root=chunk.seq.params.state)
 
     def keep_finished(self, seq: Sequence) -> None:
         """A finished sequence's state, kept under the tokens it has consumed: its prompt and every output token
@@ -290,7 +298,7 @@ class ModelRunner:
             slab.save(r, self.pool, slot, None)
             return True, r
         self.prefix_cache.add(seq.prompt_token_ids + seq.output_token_ids[:consumed], self.prefix_cache_row_bytes,
-                              False, store)
+                              False, store, root=seq.params.state)
 
     def _record_event(self):
         if self.device.type != "cuda":

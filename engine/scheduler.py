@@ -124,7 +124,8 @@ class Scheduler:
         """Where a waiting prompt starts (the prefix cache's plan); False: it waits a step."""
         if self.prefix_cache is None:
             return True
-        plan = self.prefix_cache.plan(seq.prompt_token_ids, use_checkpoints=seq.params.prompt_logprobs is None)
+        plan = self.prefix_cache.plan(seq.prompt_token_ids, use_checkpoints=seq.params.prompt_logprobs is None,
+                                      root=seq.params.state)
         if plan.wait:
             return False
         seq.num_prefilled = seq.num_cached_tokens = plan.tokens
@@ -174,7 +175,7 @@ class Scheduler:
             end = cache.chunk_end(start, end, n)
             checkpoint = end > start and cache.makes_checkpoint(end, n, seq.split_at)
             if checkpoint:
-                cache.expect(seq.prompt_token_ids[:end])
+                cache.expect(seq.prompt_token_ids[:end], root=seq.params.state)
         out.prefills.append(PrefillChunk(seq, start, end, checkpoint))
         return end - start
 

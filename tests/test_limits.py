@@ -129,7 +129,7 @@ def test_limits_take_the_tightest_live_worker():
                                                  running=0, free_slots=8, tokens_per_s=0.0, started=0.0), **kw})
     workers = [beat(max_model_len=2048, vocab_size=65536), beat(max_model_len=0, num_slots=4),  # 0: not reported
                beat(max_model_len=100, num_slots=1, draining=True)]  # draining: takes nothing new
-    assert Limits.of(settings, workers) == Limits(settings.max_prompt_tokens, 2048, 65536, 4)
+    assert Limits.of(settings, workers) == Limits(settings.max_prompt_tokens, 2048, 65536, 4, frozenset())
     assert Limits.of(settings) == Limits(settings.max_prompt_tokens, 4096, 65536, 16)
 
 

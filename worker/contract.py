@@ -550,6 +550,7 @@ class Heartbeat:
     prefix_hits: int = 0  # ... started from a checkpoint
     prefix_tokens_saved: int = 0  # prompt tokens taken from checkpoints instead of prefilled
     prefix_bytes: int = 0  # checkpoints held, device and host tiers
+    states: list[str] = field(default_factory=list)  # initial states a request may name (--state)
 
     def encode(self) -> bytes:
         return dumps({"v": SCHEMA_VERSION, **asdict(self)})
