@@ -2,9 +2,8 @@
 format, constraints and tool calls), and its answer into a ``response`` object or, streamed, into the
 ``response.*`` events the OpenAI SDK's ``responses.stream`` accumulates.
 
-``store: false`` semantics only (README, "Responses API"): nothing is kept after the answer, so
-``previous_response_id`` and ``store: true`` are 400s and a response cannot be fetched again; a conversation
-continues by sending its items back as ``input``.
+A response is stored (``store``, true by default as in OpenAI's API; ``api.response_store``) for ``GET
+/v1/responses/{id}`` and for a later request's ``previous_response_id``, which continues its conversation.
 """
 
 from __future__ import annotations
@@ -94,9 +93,9 @@ class ResponsesRequest(_Body):
     prompt_cache_key: Text | None = None
     seed: Annotated[int, ranged("seed")] | None = None  # vLLM's extension, as in chat
     state: Text | None = None  # Gaggle's extension, as in chat: a named initial state
+    store: bool | None = None  # None: true
+    previous_response_id: Text | None = None
     # defined by OpenAI, not implemented (api.unsupported)
-    store: Any = None
-    previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
     include: Any = None
@@ -109,9 +108,8 @@ class ResponsesRequest(_Body):
 
 
 RESPONSES_RULES: dict[str, Rule] = {
-    "store": refuse("responses are not stored (store: false semantics): store must be false"),
-    "previous_response_id": refuse("responses are not stored: send the conversation's items as input"),
-    "conversation": refuse("conversations are not stored: send the conversation's items as input"),
+    "conversation": refuse("conversation objects are not implemented: continue with previous_response_id, or "
+                           "send the conversation's items as input"),
     "background": refuse("background responses are not implemented: use the Batch API"),
     "include": refuse("no extra output data is available"),
     "reasoning": lambda v: None if v is None or v == {} or (isinstance(v, dict) and v.get("effort") is None)
@@ -124,13 +122,14 @@ RESPONSES_RULES: dict[str, Rule] = {
 }
 
 
-def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion that answers ``body``; 400 naming the field for what it cannot express."""
+def as_chat_request(body: ResponsesRequest, history: list[dict] | None = None) -> ChatCompletionRequest:
+    """The chat completion that answers ``body`` after the stored conversation ``history`` (chat messages); 400
+    naming the field for what it cannot express."""
     check_fields(body, RESPONSES_RULES, "responses")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise bad_request("text.verbosity is not supported: verbosity is not implemented", "text.verbosity",
                           "unsupported_field")
-    chat: dict[str, Any] = {"model": body.model, "messages": _messages(body), "stream": body.stream,
+    chat: dict[str, Any] = {"model": body.model, "messages": _messages(body, history or []), "stream": body.stream,
                             "max_tokens": body.max_output_tokens, "temperature": body.temperature,
                             "top_p": body.top_p, "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls,
                             "state": body.state}
@@ -165,12 +164,17 @@ def named_for_responses(error: OpenAIError) -> OpenAIError:
     return error
 
 
-def _messages(body: ResponsesRequest) -> list[dict]:
+def _messages(body: ResponsesRequest, history: list[dict]) -> list[dict]:
+    """The instructions (this request's: they are not carried over), the conversation so far, the new input."""
+    instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return instructions + history + input_messages(body)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """The request's input items as chat messages."""
     messages: list[dict] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
-        return messages + [{"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}]
     for item in body.input:
         if isinstance(item, InputMessage):
             content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
@@ -201,6 +205,7 @@ class ResponseView:
         self.body, self.chat, self.model = body, chat, model
         self.id = new_id("resp")
         self.created_at = int(time.time())
+        self.final: dict | None = None  # the finished response object (render, or the stream's last event)
 
     def obj(self, status: str, output: list[dict], usage: dict | None = None, incomplete: str | None = None,
             error: dict | None = None) -> dict:
@@ -211,7 +216,8 @@ class ResponseView:
                 "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+                "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "store": b.store is not False,
                 "temperature": 1.0 if b.temperature is None else b.temperature,
                 "top_p": 1.0 if b.top_p is None else b.top_p, "text": {"format": fmt},
                 "tool_choice": (b.tool_choice if isinstance(b.tool_choice, str)
@@ -230,7 +236,8 @@ class ResponseView:
         for k, (name, arguments) in enumerate(calls):
             output.append(call_item(new_id("fc"), call_id_of(self.id, k), name, arguments, "completed"))
         status, incomplete = self._status(choice.finish_reason)
-        return self.obj(status, output, usage_of(results, prompt_tokens), incomplete)
+        self.final = self.obj(status, output, usage_of(results, prompt_tokens), incomplete)
+        return self.final
 
     @staticmethod
     def _status(finish_reason: str | None) -> tuple[str, str | None]:
@@ -270,9 +277,10 @@ class ResponseStream(StreamSession):
     """The chat stream's chunks, framed as ``response.*`` events: created and in_progress first, the message's
     text as output_text deltas, each tool call as a function_call item, completed (or incomplete) last."""
 
-    def __init__(self, replies, job, inbox, tokenizer, metrics, view: ResponseView):
+    def __init__(self, replies, job, inbox, tokenizer, metrics, view: ResponseView, on_final=None):
         super().__init__(replies, job, inbox, tokenizer, metrics)
         self.view = view
+        self.on_final = on_final  # async (response object): called once, before the final event is sent
         self.sequence = 0
         self.output: list[dict] = []  # finished items
         self.message: dict | None = None  # the open message item
@@ -289,6 +297,9 @@ class ResponseStream(StreamSession):
         for frame in self.opening():  # at once: the client knows its response id before the first token
             yield frame
         async for frame in super().events():
+            if self.view.final is not None and self.on_final is not None:  # stored before the client reads it
+                on_final, self.on_final = self.on_final, None
+                await on_final(self.view.final)
             yield frame
 
     def opening(self) -> list[bytes]:
@@ -356,6 +367,7 @@ class ResponseStream(StreamSession):
         frames = self.opening() + self._close_message()
         status, incomplete = ResponseView._status(self.finish or FINISH_ABORT)
         final = self.view.obj(status, self.output, usage_of(results, self.job.prompt_tokens), incomplete)
+        self.view.final = final
         return frames + [self.event(f"response.{status}", response=final)]
 
     def failed(self, error: dict) -> list[bytes]:

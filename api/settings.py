@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 << 20, ge=1024)  # a request body above this is a 413
     default_chat_max_tokens: int = Field(1024, ge=1)  # chat without max_tokens / max_completion_tokens
     request_timeout_s: float = Field(600.0, gt=0)  # sync requests: then cancelled and answered 504
+    response_ttl_s: int = Field(7 * 24 * 3600, ge=1)  # stored responses (Responses API store) expire after this
     keepalive_s: float = Field(15.0, gt=0)  # SSE comment line while nothing else is sent
     result_poll_s: float = Field(3.0, gt=0)  # fallback poll of result keys against a missed final message
     worker_cache_s: float = Field(1.0, ge=0)  # how long "is a worker alive" answers are reused

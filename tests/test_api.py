@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -357,6 +358,22 @@ def test_a_tenant_sees_only_its_own_requests(http, stack):
     assert poll(http, rid)["status"] == "completed"  # B's DELETE did nothing
     assert stack.r.hget(c.request_key(rid), "tenant") == b"tenant-a"
     assert c.Result.decode(stack.r.get(c.result_key(rid))).tenant == "tenant-a"  # travelled in the queued request
+
+
+def test_a_stored_response_is_its_tenants_alone_and_expires(http, stack):
+    made = http.post("/v1/responses", json={"model": MODEL, "input": PROMPT, "max_output_tokens": 2}).json()
+    other = httpx.Client(base_url=stack.api.url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=30)
+    for method in ("GET", "DELETE"):
+        assert other.request(method, f"/v1/responses/{made['id']}").status_code == 404
+    theirs = other.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": made["id"]})
+    assert theirs.status_code == 404 and made["id"] in theirs.json()["error"]["message"]
+    assert http.get(f"/v1/responses/{made['id']}").json()["output"] == made["output"]  # B's DELETE did nothing
+    stack.r.pexpire(c.response_key(made["id"]), 1)  # as its TTL would
+    time.sleep(0.05)
+    gone = http.post("/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": made["id"]})
+    assert gone.status_code == 404 and "expired" in gone.json()["error"]["message"]
+    assert 0 < stack.r.ttl(c.response_key(
+        http.post("/v1/responses", json={"model": MODEL, "input": "y", "max_output_tokens": 2}).json()["id"]))
 
 
 # -- disconnects -------------------------------------------------------------------------------

@@ -333,7 +333,7 @@ def test_defaults_and_nulls_of_those_fields_are_accepted_and_unknown_fields_logg
 def test_responses_create_with_text_and_with_a_json_schema(client):
     done = client.responses.create(model=MODEL, input="Say something", instructions="Be brief.",
                                    max_output_tokens=12, temperature=0.0)
-    assert done.object == "response" and done.id.startswith("resp_") and done.store is False
+    assert done.object == "response" and done.id.startswith("resp_") and done.store is True
     assert done.output[0].type == "message" and done.output_text
     assert done.usage.output_tokens <= 12 and done.usage.input_tokens > 0
     assert done.status in ("completed", "incomplete")
@@ -390,10 +390,39 @@ def test_responses_function_tools_round_trip(client):
     assert follow.output_text
 
 
-@pytest.mark.parametrize("field, value", [("previous_response_id", "resp_1"), ("store", True),
-                                          ("background", True), ("include", ["reasoning.encrypted_content"]),
+@pytest.mark.parametrize("field, value", [("background", True), ("include", ["reasoning.encrypted_content"]),
                                           ("reasoning", {"effort": "high"}), ("truncation", "auto")])
 def test_responses_fields_without_stored_state_are_400(service, field, value):
     r = httpx.post(service.url + "/v1/responses", json={"model": MODEL, "input": "x", field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+LONG_QUESTION = "Tell me everything you know about foxes, their dens, their food and their cubs. " * 3
+
+
+def test_a_conversation_continues_from_its_previous_response(client):
+    first = client.responses.create(model=MODEL, input=LONG_QUESTION, max_output_tokens=8, temperature=0.0)
+    fetched = client.responses.retrieve(first.id)
+    assert fetched.id == first.id and fetched.output_text == first.output_text and fetched.store is True
+    second = client.responses.create(model=MODEL, input="And wolves?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0.0)
+    resent = client.responses.create(model=MODEL, store=False, max_output_tokens=8, temperature=0.0, input=[
+        {"role": "user", "content": LONG_QUESTION}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And wolves?"}])
+    assert second.previous_response_id == first.id
+    assert second.output_text == resent.output_text and second.usage.input_tokens == resent.usage.input_tokens
+    # the history came from the worker's prefix cache: at least the whole first prompt
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):  # store false: nothing to continue from
+        client.responses.create(model=MODEL, input="x", previous_response_id=resent.id, max_output_tokens=2)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_an_unknown_previous_response_is_a_404_naming_the_field(service):
+    r = httpx.post(service.url + "/v1/responses", json={"model": MODEL, "input": "x",
+                                                          "previous_response_id": "resp_nothing"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert r.json()["error"]["code"] == "response_not_found"

@@ -28,6 +28,8 @@ Key space (all under ``gaggle:``):
     worker:<name>          string  heartbeat with TTL (JSON: slots, tokens/s, device, model, its limits); a
                                    consumer's pending entries are reclaimed by others once it has expired
     workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
+    response:<id>          string  a stored Responses API response (JSON: tenant, the response object, the
+                                   conversation so far as chat messages), TTL the API's response_ttl_s
     api:<owner>            string  an API process's lease (TTL OWNER_TTL_S, refreshed every OWNER_REFRESH_S):
                                    workers cancel the sync requests of an owner whose lease lapsed
 
@@ -181,6 +183,10 @@ BATCH_QUEUE = "gaggle-batches"
 BATCH_TTL_S = 30 * 24 * 3600  # batch records, and batch files without an explicit expiry
 BATCH_LEASE_TTL_S = 6.0  # renewed every poll (0.2 s); a dead runner is found this long after
 BATCHES_ACTIVE = PREFIX + "batches:active"
+
+
+def response_key(response_id: str) -> str:
+    return f"{PREFIX}response:{response_id}"
 
 
 def file_key(file_id: str) -> str:
