@@ -459,7 +459,7 @@ class Worker:
                            free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),
                            started=self.started, draining=self.draining,
                            max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
-                           states=self.engine.state_names, **self._prefix_cache_counts())
+                           states=getattr(self.engine, "state_names", []), **self._prefix_cache_counts())
 
     def _prefix_cache_counts(self) -> dict:
         cache = getattr(self.engine, "prefix_cache", None)
