@@ -273,14 +273,7 @@ class ModelRunner:
     def _keep_checkpoint(self, chunk: PrefillChunk, row: torch.Tensor) -> None:
         """The slot's state after ``chunk`` and its last logits, copied (queued after the prefill) into a device
         row of the cache."""
-        slab = self._slabs[True]
-
-        def store() -> tuple[bool, int]:
-            r = slab.take()
-            slab.save(r, self.pool, chunk.seq.slot, row)
-            return True, r
-        self.prefix_cache.add(chunk.seq.prompt_token_ids[:chunk.end], self.prefix_cache_row_bytes, True, store,
-                              root=chunk.seq.params.state)
+        self._keep(chunk.seq.prompt_token_ids[:chunk.end], chunk.seq, row)
 
     def keep_finished(self, seq: Sequence) -> None:
         """A finished sequence's state, kept under the tokens it has consumed: its prompt and every output token
@@ -291,14 +284,17 @@ class ModelRunner:
         if seq.slot is None or not 0 <= consumed <= len(seq.output_token_ids) or \
                 prefix_len < self.prefix_cache.min_tokens:
             return
+        self._keep(seq.prompt_token_ids + seq.output_token_ids[:consumed], seq, None)
+
+    def _keep(self, prefix: list[int], seq: Sequence, logits: torch.Tensor | None) -> None:
+        """``seq``'s slot state (and ``logits``, where given) into a device row, kept under ``prefix``."""
         slab, slot = self._slabs[True], seq.slot
 
         def store() -> tuple[bool, int]:
             r = slab.take()
-            slab.save(r, self.pool, slot, None)
+            slab.save(r, self.pool, slot, logits)
             return True, r
-        self.prefix_cache.add(seq.prompt_token_ids + seq.output_token_ids[:consumed], self.prefix_cache_row_bytes,
-                              False, store, root=seq.params.state)
+        self.prefix_cache.add(prefix, self.prefix_cache_row_bytes, logits is not None, store, root=seq.params.state)
 
     def _record_event(self):
         if self.device.type != "cuda":
