@@ -33,6 +33,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="exit 0 if the worker's heartbeat (--name; without it: any worker on this host) is fresh")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    g = p.add_argument_group("shared prefix states (the prefix cache's tier in Redis, shared by all workers)")
+    g.add_argument("--shared-prefix-gib", type=float, default=2.0,
+                   help="GiB of Redis memory for prefix states, all workers together: the least recently used are "
+                        "evicted past it (0: no shared tier)")
+    g.add_argument("--shared-prefix-ttl", type=int, default=3600, help="seconds a shared state lives unused")
+    g.add_argument("--shared-prefix-min-tokens", type=int, default=256,
+                   help="no shorter prefix's state is shared, and none fetched to save fewer tokens")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -59,7 +66,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(redis_url=args.redis_url, name=name,
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
                        interactive_reserve=args.interactive_reserve, log_stats_interval_s=args.log_stats_interval,
-                       gc_young_threshold=args.gc_young_threshold)
+                       gc_young_threshold=args.gc_young_threshold, shared_states_gib=args.shared_prefix_gib,
+                       shared_states_ttl_s=args.shared_prefix_ttl,
+                       shared_states_min_tokens=args.shared_prefix_min_tokens)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)
     worker.install_signal_handlers()
     if args.metrics_port:

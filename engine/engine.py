@@ -42,6 +42,7 @@ from engine.weights import Rwkv7Weights, load_model
 log = logging.getLogger(__name__)
 
 SEED_MASK = (1 << 63) - 1
+PREFILL_RATE_MIN_TOKENS = 64  # steps that prefilled fewer say little about the prefill rate
 SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
 
 
@@ -72,6 +73,8 @@ class LLMEngine:
         self._grammars = None  # engine.grammar.Grammars, made for the first constrained request
         self._mask_rows: list[torch.Tensor] = []  # two host buffers of bitmask rows, used in turn
         self.clock = PhaseClock()  # host seconds per phase of step()
+        self._prefill_rate = 0.0  # prefill_tokens_per_s
+        self._last_collect = 0.0
 
     # -- public API ---------------------------------------------------------------
 
@@ -130,6 +133,32 @@ class LLMEngine:
     def state_names(self) -> list[str]:
         """The initial states a request may name (``--state``)."""
         return sorted(getattr(self.runner, "initial_states", {}))
+
+    # -- the prefix cache's shared tier (worker.shared_states) ------------------------------------
+
+    def cached_prefix_tokens(self, prompt: list[int], state: str | None = None) -> int:
+        """How many of ``prompt``'s tokens this engine's prefix cache would start it after, now."""
+        return self.prefix_cache.longest(prompt, state) if self.prefix_cache is not None else 0
+
+    def import_prefix(self, prefix: list[int], state: str | None, blob) -> bool:
+        """A checkpoint taken from the shared tier (an ``engine.state_blob.StateBlob`` of ``prefix``) into this
+        engine's cache, before the request that needs it is added."""
+        return self.prefix_cache is not None and self.runner.import_checkpoint(prefix, state, blob)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens a second, measured over recent steps that prefilled (0 until one has)."""
+        return self._prefill_rate
+
+    def _measure_prefill(self, step: LaunchedStep) -> None:
+        """A finished step's device time is about from when it could start (launched, and the step before it
+        read) to now, when its tokens are read."""
+        now = time.perf_counter()
+        seconds = now - max(self._last_collect, step.launched_at)
+        self._last_collect = now
+        if step.prefill_tokens >= PREFILL_RATE_MIN_TOKENS and seconds > 0:
+            rate = step.prefill_tokens / seconds
+            self._prefill_rate = rate if self._prefill_rate == 0 else 0.8 * self._prefill_rate + 0.2 * rate
 
     @property
     def grammars(self):
@@ -220,6 +249,9 @@ class LLMEngine:
         self.runner.admit(batch.admitted)
         self.clock.lap("schedule")
         launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
+        if launched is not None:
+            launched.prefill_tokens = sum(c.end - c.start for c in batch.prefills)
+            launched.launched_at = time.perf_counter()
         self._complete_prefills(batch)
         self.clock.lap("launch")
         return launched
@@ -235,6 +267,7 @@ class LLMEngine:
         if step.output is None:
             self.clock.lap("launch")  # what was queued before this wait
             step.output = self.runner.collect(step)
+            self._measure_prefill(step)
             self.clock.lap("wait")
             self._advance_matchers(step.seqs, step.output.token_ids)
             self.clock.lap("grammar")

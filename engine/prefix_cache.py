@@ -32,6 +32,7 @@ class Checkpoint:
     on_device: bool
     has_logits: bool
     node: Node | None = None
+    shared: bool = False  # offered to the shared tier (on_shared) already, or taken from it
 
 
 @dataclass(eq=False)
@@ -88,6 +89,9 @@ class PrefixCache:
         self._tiers: dict[bool, OrderedDict[int, Checkpoint]] = {True: OrderedDict(), False: OrderedDict()}
         self._used_bytes = {True: 0, False: 0}
         self._pending: list[Node] = []
+        # on_shared(checkpoint, prefix, root): a checkpoint proved shared (made where prompts diverge, or hit),
+        # once each; the worker offers it to the cross-worker tier (worker.shared_states)
+        self.on_shared: Callable[[Checkpoint, list[int], str | None], None] | None = None
 
     # -- planning (the scheduler) -----------------------------------------------------------------
 
@@ -124,10 +128,24 @@ class PrefixCache:
             self.stats.hits += 1
             self.stats.tokens_saved += plan.tokens
             self._touch(plan.checkpoint)
+            self._offer(plan.checkpoint, prompt[:plan.tokens], root)
         # the prompt leaves an earlier prompt's path past the checkpoint it starts from: make one there
         if matched >= self.min_tokens and plan.tokens < matched < len(prompt):
             plan.split_at = matched
         return plan
+
+    def longest(self, prompt: list[int], root: str | None = None) -> int:
+        """How many of ``prompt``'s tokens a checkpoint covers now (a look only: no stats, no recency)."""
+        node, matched, best = self._roots.get(root), 0, 0
+        while node is not None and matched < len(prompt):
+            node = node.children.get(prompt[matched])
+            if node is None or _common_prefix(node.edge, prompt, matched) < len(node.edge):
+                break
+            matched += len(node.edge)
+            cp = node.checkpoint
+            if cp is not None and (matched < len(prompt) or cp.has_logits):
+                best = matched
+        return best
 
     def chunk_end(self, start: int, end: int, prompt_len: int) -> int:
         """Where a chunk from ``start`` that would end at ``end`` ends: at the next interval boundary past
@@ -159,10 +177,11 @@ class PrefixCache:
     # -- checkpoints (the runner) -----------------------------------------------------------------
 
     def add(self, prefix: list[int], nbytes: int, has_logits: bool, store: Callable[[], object],
-            root: str | None = None) -> Checkpoint | None:
+            root: str | None = None, shared: bool = False, from_shared_tier: bool = False) -> Checkpoint | None:
         """The device state after ``prefix`` (replacing an older one there): room is made in the device tier (its
         least recently used checkpoints moved to the host tier or dropped), then ``store()`` copies the state and
-        returns its payload. None where it cannot fit at all."""
+        returns its payload. None where it cannot fit at all. ``shared``: prompts diverge here (so it is offered
+        to the shared tier); ``from_shared_tier``: it came from there (never offered back)."""
         if nbytes > self.device_bytes:
             return None
         node = self._insert_path(prefix, root)
@@ -174,12 +193,14 @@ class PrefixCache:
                 return node.checkpoint
             self._remove(node.checkpoint)
         self._make_room(True, nbytes)
-        cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node)
+        cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node, shared=from_shared_tier)
         node.checkpoint = cp
         node.used = next(self._tick)
         self._tiers[True][id(cp)] = cp
         self._used_bytes[True] += nbytes
         self.stats.checkpoints_made += 1
+        if shared:
+            self._offer(cp, prefix, root)
         return cp
 
     def bytes_used(self, on_device: bool) -> int:
@@ -194,6 +215,15 @@ class PrefixCache:
                 self._remove(cp)
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _offer(self, cp: Checkpoint, prefix: list[int], root: str | None) -> None:
+        if cp.shared or self.on_shared is None:
+            return
+        cp.shared = True
+        try:
+            self.on_shared(cp, prefix, root)
+        except Exception:  # the shared tier is an optimisation: serving goes on without it
+            log.exception("could not offer a checkpoint to the shared tier")
 
     def _touch(self, cp: Checkpoint) -> None:
         self._tiers[cp.on_device].move_to_end(id(cp))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from engine.sampler import Admission, PendingSample, SampleOutput, Sampler
 from engine.scheduler import PrefillChunk, SchedulerOutput
 from engine.sequence import Sequence, TokenLogprob
 from engine.state import CheckpointSlab, StatePool
+from engine.state_blob import StateBlob
 from engine.threads import background
 from engine.warmup import WarmupProgress
 from engine.weights import Rwkv7Weights
@@ -31,6 +33,50 @@ class LaunchedStep:
     seqs: list[Sequence]
     sample: PendingSample
     output: SampleOutput | None = None  # once read (LLMEngine reads each step once)
+    prefill_tokens: int = 0  # prompt tokens it prefilled (LLMEngine measures the prefill rate)
+    launched_at: float = 0.0
+
+STAGING_ROWS = 4  # checkpoints on their way to the shared tier at once
+
+
+@dataclass
+class ExportedState:
+    """A checkpoint's copy in a host staging row: ``wait()`` (any thread) until the copy is done, read
+    ``blob_tensors()``, then ``release()`` the row."""
+    slab: CheckpointSlab
+    row: int
+    event: object  # a CUDA event recorded after the copy (None: the copy was synchronous)
+    has_logits: bool
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def blob(self, tokens: int, digest: str) -> StateBlob:
+        s, r = self.slab, self.row
+        return StateBlob(tokens, digest, s.att_shift[r], s.ffn_shift[r], s.wkv[r],
+                         s.logits[r] if self.has_logits else None)
+
+    def release(self) -> None:
+        self.slab.give(self.row)
+
+
+def fingerprint(weights: Rwkv7Weights) -> str:
+    """A digest of the weights (their shapes, and the bytes of a few tensors spread through the model): two
+    workers with the same fingerprint compute the same states."""
+    h = hashlib.sha256(repr(weights.shape).encode())
+    names = sorted(weights.tensors)
+    for name in names[::max(1, len(names) // 16)] + ["emb.weight", "head.weight"]:
+        t = weights.tensors.get(name)
+        if t is not None:
+            h.update(name.encode())
+            h.update(_tensor_bytes(t.reshape(-1)[:1 << 16]))
+    return h.hexdigest()[:24]
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +90,7 @@ class ModelRunner:
         self.shape = weights.shape
         self.eos_token_ids = eos_token_ids
         self.backend = self._pick_backend()
+        self.model_fingerprint = fingerprint(weights)
         weights = weights.to(self.device, self.dtype)
         self.num_slots = self._size_slots(weights)
         # one extra scratch slot: padding rows of a CUDA-graph batch write there
@@ -57,6 +104,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(self.num_slots + 1, dtype=torch.long, device=self.device)
         self.step_events: list | None = None  # set to a list: (start, end) CUDA events of each launched step
         self.prefix_cache: PrefixCache | None = None  # make_prefix_cache
+        self._staging: CheckpointSlab | None = None  # host rows checkpoints are written out from (export_checkpoint)
         self.tunings: list = []  # autotune choices made at warm-up (engine.cuda.autotune.Tuning)
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
                                               "dtype": str(self.dtype), "num_slots": self.num_slots,
@@ -273,7 +321,7 @@ class ModelRunner:
     def _keep_checkpoint(self, chunk: PrefillChunk, row: torch.Tensor) -> None:
         """The slot's state after ``chunk`` and its last logits, copied (queued after the prefill) into a device
         row of the cache."""
-        self._keep(chunk.seq.prompt_token_ids[:chunk.end], chunk.seq, row)
+        self._keep(chunk.seq.prompt_token_ids[:chunk.end], chunk.seq, row, shared=chunk.end == chunk.seq.split_at)
 
     def keep_finished(self, seq: Sequence) -> None:
         """A finished sequence's state, kept under the tokens it has consumed: its prompt and every output token
@@ -286,7 +334,7 @@ class ModelRunner:
             return
         self._keep(seq.prompt_token_ids + seq.output_token_ids[:consumed], seq, None)
 
-    def _keep(self, prefix: list[int], seq: Sequence, logits: torch.Tensor | None) -> None:
+    def _keep(self, prefix: list[int], seq: Sequence, logits: torch.Tensor | None, shared: bool = False) -> None:
         """``seq``'s slot state (and ``logits``, where given) into a device row, kept under ``prefix``."""
         slab, slot = self._slabs[True], seq.slot
 
@@ -294,7 +342,66 @@ class ModelRunner:
             r = slab.take()
             slab.save(r, self.pool, slot, logits)
             return True, r
-        self.prefix_cache.add(prefix, self.prefix_cache_row_bytes, logits is not None, store, root=seq.params.state)
+        self.prefix_cache.add(prefix, self.prefix_cache_row_bytes, logits is not None, store, root=seq.params.state,
+                              shared=shared)
+
+    # -- the shared tier's bytes (worker.shared_states) --------------------------------------------
+
+    def state_namespace(self, root: str | None) -> str:
+        """What a checkpoint's bytes depend on besides its tokens: the weights, the numerics (backend, dtypes) and
+        the initial state it grew from. Workers share a checkpoint only within one namespace."""
+        h = hashlib.sha256(f"{self.model_fingerprint}|{self.backend}|{self.dtype}|{self.state_dtype}|"
+                           f"{self.pool.att_shift.dtype}|float32|{root or ''}".encode())
+        if root is not None:
+            init = self.initial_states[root]
+            for t in (init.att_shift, init.ffn_shift, init.wkv):
+                h.update(_tensor_bytes(t))
+        return h.hexdigest()[:24]
+
+    def checkpoint_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Each tensor of a checkpoint's bytes: dtype and shape (engine.state_blob checks blobs against it)."""
+        slab = self._slabs[True]
+        return {name: (t.dtype, tuple(t.shape[1:])) for name, t in
+                (("att_shift", slab.att_shift), ("ffn_shift", slab.ffn_shift), ("wkv", slab.wkv),
+                 ("logits", slab.logits))}
+
+    def export_checkpoint(self, payload: tuple[bool, int], has_logits: bool) -> "ExportedState | None":
+        """A checkpoint's row copied (queued) into a staging row of host memory, for another thread to write
+        out once ``wait()`` returns; None where every staging row is still being written (the offer is dropped), or for a
+        host-tier checkpoint (its row may still be arriving from the device: a host copy out of it cannot be
+        ordered after that)."""
+        on_device, row = payload
+        staging = self._staging_slab()
+        if staging.num_free == 0 or not on_device:
+            return None
+        r = staging.take()
+        self._slab(on_device).copy_row(row, staging, r)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return ExportedState(staging, r, event, has_logits)
+
+    def import_checkpoint(self, prefix: list[int], root: str | None, blob: StateBlob) -> bool:
+        """A checkpoint from the shared tier into a device row, kept under ``prefix`` (never offered back)."""
+        slab = self._slabs[True]
+
+        def store() -> tuple[bool, int]:
+            r = slab.take()
+            for dst, src in ((slab.att_shift, blob.att_shift), (slab.ffn_shift, blob.ffn_shift),
+                             (slab.wkv, blob.wkv)):
+                dst[r].copy_(src)
+            if blob.logits is not None:
+                slab.logits[r].copy_(blob.logits)
+            return True, r
+        return self.prefix_cache.add(prefix, self.prefix_cache_row_bytes, blob.logits is not None, store, root=root,
+                                     from_shared_tier=True) is not None
+
+    def _staging_slab(self) -> CheckpointSlab:
+        if self._staging is None:
+            self._staging = CheckpointSlab(self.pool, STAGING_ROWS, self.vocab_size, torch.float32, "cpu",
+                                           pinned=self.device.type == "cuda")
+        return self._staging
 
     def _record_event(self):
         if self.device.type != "cuda":

@@ -30,6 +30,13 @@ Key space (all under ``gaggle:``):
     workers                zset    worker name -> last heartbeat time; readers MGET the fresh ones
     response:<id>          string  a stored Responses API response (JSON: tenant, the response object, the
                                    conversation so far as chat messages), TTL the API's response_ttl_s
+    pstate:<ns>:<digest>   string  a prompt prefix's recurrent state, shared by workers (engine.state_blob bytes;
+                                   TTL, refreshed on use): ns = model, numerics and initial state, digest = the
+                                   prefix's tokens (prefix_digest); written and read by worker.shared_states only
+    pstate-idx:<ns>:<digest>  hash  the shared states whose prefix starts with a STATE_BLOCK-aligned prefix of
+                                   that digest: state digest -> "<tokens>[:l]" (l: its last logits are kept)
+    pstate-lru             zset    state key -> last use: the shared states' byte cap evicts the least recent
+    pstate-sizes           hash    state key -> bytes;  pstate-bytes  string: their total
     api:<owner>            string  an API process's lease (TTL OWNER_TTL_S, refreshed every OWNER_REFRESH_S):
                                    workers cancel the sync requests of an owner whose lease lapsed
 
@@ -183,6 +190,21 @@ BATCH_QUEUE = "gaggle-batches"
 BATCH_TTL_S = 30 * 24 * 3600  # batch records, and batch files without an explicit expiry
 BATCH_LEASE_TTL_S = 6.0  # renewed every poll (0.2 s); a dead runner is found this long after
 BATCHES_ACTIVE = PREFIX + "batches:active"
+
+
+STATE_BLOCK = 64  # shared states are indexed under the digest of their prefix rounded down to this many tokens
+STATE_LRU = PREFIX + "pstate-lru"
+STATE_SIZES = PREFIX + "pstate-sizes"
+STATE_BYTES = PREFIX + "pstate-bytes"
+
+
+def state_key(namespace: str, digest: str) -> str:
+    """A shared prefix state (see the key space above)."""
+    return f"{PREFIX}pstate:{namespace}:{digest}"
+
+
+def state_index_key(namespace: str, block_digest: str) -> str:
+    return f"{PREFIX}pstate-idx:{namespace}:{block_digest}"
 
 
 def response_key(response_id: str) -> str:
@@ -556,6 +578,10 @@ class Heartbeat:
     prefix_hits: int = 0  # ... started from a checkpoint
     prefix_tokens_saved: int = 0  # prompt tokens taken from checkpoints instead of prefilled
     prefix_bytes: int = 0  # checkpoints held, device and host tiers
+    shared_lookups: int = 0  # prompts looked up in the shared tier (Redis) of the prefix cache
+    shared_hits: int = 0  # ... started from a state fetched from it
+    shared_tokens: int = 0  # prompt tokens those fetched states saved
+    shared_published: int = 0  # states this worker wrote there
     states: list[str] = field(default_factory=list)  # initial states a request may name (--state)
 
     def encode(self) -> bytes:

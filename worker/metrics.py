@@ -38,6 +38,7 @@ class WorkerMetrics:
         self.worker_name = worker_name
         self._gc_clock = None
         self._prefix_cache = None
+        self._shared_states = None  # worker.shared_states.SharedStates
         r.register(self)  # collect(): what is read at scrape time
 
     def collect(self):
@@ -67,14 +68,32 @@ class WorkerMetrics:
                     family.add_metric([self.worker_name, tier], read(on_device))
                 yield family
 
+        shared = self._shared_states
+        if shared is not None:
+            st = shared.stats
+            for name, doc in (("lookups", "Prompts looked up in the shared (Redis) tier of the prefix cache"),
+                              ("hits", "Prompts started from a state fetched from the shared tier"),
+                              ("tokens", "Prompt tokens the fetched shared states saved"),
+                              ("bytes_fetched", "Bytes of states fetched from the shared tier"),
+                              ("recomputed", "Shared states found but not fetched: prefilling was cheaper"),
+                              ("published", "States this worker wrote to the shared tier"),
+                              ("bytes_published", "Bytes of states this worker wrote to the shared tier"),
+                              ("dropped", "States not written to the shared tier: the writes were behind"),
+                              ("evicted", "Shared states this worker's writes evicted (byte cap, least recent)"),
+                              ("errors", "Shared-tier reads and writes that failed (a prefill instead)")):
+                family = CounterMetricFamily(f"gaggle_worker_shared_prefix_{name}", doc, labels=["worker"])
+                family.add_metric([self.worker_name], getattr(st, name))
+                yield family
+
     def describe(self):
         return []  # collected lazily: no name clash to check at registration
 
     def attach_gc_clock(self, clock) -> None:
         self._gc_clock = clock
 
-    def attach_prefix_cache(self, cache) -> None:
+    def attach_prefix_cache(self, cache, shared=None) -> None:
         self._prefix_cache = cache
+        self._shared_states = shared
 
     def on_step(self, seconds: float, num_outputs: int, running: int, free_slots: int) -> None:
         self.step_seconds.observe(seconds)
@@ -103,7 +122,7 @@ class WorkerMetrics:
 def serve_worker_metrics(worker, port: int) -> WorkerMetrics:
     metrics = WorkerMetrics(worker.cfg.name)
     worker.attach_metrics(metrics)
-    metrics.attach_prefix_cache(getattr(worker.engine, "prefix_cache", None))
+    metrics.attach_prefix_cache(getattr(worker.engine, "prefix_cache", None), worker.shared)
     start_http_server(port, registry=metrics.registry)
     log.info("worker metrics served", extra={"worker": worker.cfg.name, "port": port})
     return metrics

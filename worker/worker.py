@@ -14,6 +14,7 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -42,6 +43,15 @@ def unique_worker_name(device: str = "") -> str:
 
 
 @dataclass
+class Preparing:
+    """A request waiting for ``future`` (run off the loop); then ``then(flight, request, result)``."""
+    future: Future
+    flight: InFlight
+    request: Request
+    then: Callable[[InFlight, Request, object], bool]
+
+
+@dataclass
 class WorkerConfig:
     redis_url: str = "redis://localhost:6379/0"
     name: str = ""  # consumer name; default unique (unique_worker_name)
@@ -52,12 +62,17 @@ class WorkerConfig:
     interactive_reserve: int | None = None  # slots batch lines leave free for sync requests (None: slots // 128)
     log_stats_interval_s: float = 10.0  # the "loop stats" log line (worker.loop_stats); 0: never
     gc_young_threshold: int = YOUNG_THRESHOLD  # engine/gc_policy.py
+    shared_states_gib: float = 2.0  # the prefix cache's tier in Redis, all workers together (0: none)
+    shared_states_ttl_s: int = 3600
+    shared_states_min_tokens: int = 256  # no shorter prefix's state shared, none fetched to save fewer tokens
 
     def __post_init__(self) -> None:
         if not self.name:
             self.name = unique_worker_name()
         if self.max_deliveries < 1:
             raise ValueError("max_deliveries must be >= 1")
+        if self.shared_states_gib < 0 or self.shared_states_ttl_s < 1 or self.shared_states_min_tokens < 1:
+            raise ValueError("shared_states_gib must be >= 0, shared_states_ttl_s and shared_states_min_tokens >= 1")
         if self.gc_young_threshold < 1:  # 0 would turn the collector off: cycles would never be freed
             raise ValueError("gc_young_threshold must be >= 1")
 
@@ -77,8 +92,10 @@ class Worker:
             reserve = engine.num_slots // 128 if engine is not None else 0  # None: tests of the I/O alone
         self.reader.interactive_reserve = reserve
         self.inflight: dict[str, InFlight] = {}
-        # constrained requests whose grammar is compiling (a thread pool): started once it is done
-        self.compiling: dict[str, tuple[Future, InFlight, Request]] = {}
+        # requests waiting for something done off the loop (a shared prefix state's fetch, a grammar's
+        # compilation): each goes on once its future is done
+        self.preparing: dict[str, Preparing] = {}
+        self.shared = self._make_shared_states()
         self.started = time.time()
         self.draining = False
         self.stop_now = False
@@ -162,6 +179,9 @@ class Worker:
         self.reader.reading = False
         self.writer.flush(timeout_s=10.0)
         self._release_unfinished()
+        if self.shared is not None:
+            self.shared.flush(timeout_s=2.0)
+            self.shared.close()
         self.io.stop()
         try:
             self.io.redis.delete(c.heartbeat_key(self.cfg.name))
@@ -180,7 +200,7 @@ class Worker:
                                                                            "count": leftovers})
 
     def _is_idle(self) -> bool:
-        return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight and not self.compiling
+        return (self.reader.inbox.empty() and self.reader.last_read_empty and not self.inflight and not self.preparing
                 and self.writer.flush(0.0) and self.reader.num_owned == 0 and self.reader.settled())
 
     def _wait_for_input(self) -> None:
@@ -192,14 +212,14 @@ class Worker:
         if self._quarantine:
             self.reader.set_capacity(0)
             return
-        waiting = self.engine.num_unfinished - self.engine.num_running + len(self.compiling)
+        waiting = self.engine.num_unfinished - self.engine.num_running + len(self.preparing)
         self.reader.set_capacity(self.engine.num_free_slots - waiting)
 
     # -- input ---------------------------------------------------------------------
 
     def _take_incoming(self) -> None:
-        if self.compiling:
-            self._start_compiled()
+        if self.preparing:
+            self._start_prepared()
         if self._quarantine:
             self._admit_from_quarantine()
             return
@@ -227,9 +247,9 @@ class Worker:
         except c.SchemaError as e:
             self._dead_letter(item, c.request_id_of(item.fields), f"invalid request entry: {e}", invalid=True)
             return
-        if item.has_result or req.id in self.inflight or req.id in self.compiling:
+        if item.has_result or req.id in self.inflight or req.id in self.preparing:
             log.info("duplicate delivery; already handled", extra={"request_id": req.id})
-            if req.id not in self.inflight and req.id not in self.compiling:
+            if req.id not in self.inflight and req.id not in self.preparing:
                 self.writer.submit([AckDelete(item.stream, item.entry_id)])
             return
         if item.deliveries > self.cfg.max_deliveries:
@@ -265,18 +285,66 @@ class Worker:
             params.seed = c.stable_seed(req.id)
         request = Request(req.id, list(req.prompt_token_ids), params, n=req.n,
                           priority=c.PRIORITIES.index(req.priority))
+        fetch = self._fetch_shared_prefix(request)
+        if fetch is not None:  # a longer prefix state than ours is in the shared tier: fetched off the loop
+            self.preparing[req.id] = Preparing(fetch, flight, request, self._after_fetch)
+            return True
+        return self._compile_then_add(flight, request)
+
+    def _compile_then_add(self, flight: InFlight, request: Request) -> bool:
         future = self.engine.prepare(request)
-        if future is not None:  # its grammar compiles off the loop; _start_compiled adds it
-            self.compiling[req.id] = (future, flight, request)
-            log.info("request waits for its grammar", extra={"request_id": req.id})
+        if future is not None:  # its grammar compiles off the loop; _start_prepared adds it
+            self.preparing[request.request_id] = Preparing(future, flight, request,
+                                                           lambda f, r, _: self._add(f, r))
+            log.info("request waits for its grammar", extra={"request_id": request.request_id})
             return True
         return self._add(flight, request)
 
-    def _start_compiled(self) -> None:
-        for rid, (future, flight, request) in list(self.compiling.items()):
-            if future.done():
-                del self.compiling[rid]
-                self._add(flight, request)
+    def _start_prepared(self) -> None:
+        for rid, p in list(self.preparing.items()):
+            if p.future.done():
+                del self.preparing[rid]
+                p.then(p.flight, p.request, None if p.future.exception() else p.future.result())
+
+    # -- the shared tier of the prefix cache (worker.shared_states) ----------------------------------
+
+    def _make_shared_states(self):
+        cache = getattr(self.engine, "prefix_cache", None)
+        cap = int(self.cfg.shared_states_gib * 2**30)
+        if cache is None or cap <= 0:
+            return None
+        from worker.shared_states import SharedStates, SharedStatesConfig
+        runner = self.engine.runner
+        shared = SharedStates(SharedStatesConfig(self.cfg.redis_url, cap, self.cfg.shared_states_ttl_s,
+                                                 self.cfg.shared_states_min_tokens),
+                              runner.checkpoint_layout(), runner.prefix_cache_row_bytes,
+                              lambda: self.engine.prefill_tokens_per_s)
+        cache.on_shared = self._offer_shared
+        return shared
+
+    def _fetch_shared_prefix(self, request: Request) -> Future | None:
+        if self.shared is None or request.params.prompt_logprobs is not None:
+            return None
+        state = request.params.state
+        have = self.engine.cached_prefix_tokens(request.prompt_token_ids, state)
+        return self.shared.lookup(request.prompt_token_ids, self.engine.runner.state_namespace(state), have)
+
+    def _after_fetch(self, flight: InFlight, request: Request, fetched) -> bool:
+        if fetched is not None:
+            try:
+                self.engine.import_prefix(request.prompt_token_ids[:fetched.tokens], request.params.state,
+                                          fetched.blob)
+            except Exception:  # a prefill instead
+                log.exception("could not take a shared prefix state", extra={"request_id": request.request_id})
+        return self._compile_then_add(flight, request)
+
+    def _offer_shared(self, checkpoint, prefix: list[int], state: str | None) -> None:
+        runner = self.engine.runner
+        exported = runner.export_checkpoint(checkpoint.payload, checkpoint.has_logits)
+        if exported is None:
+            self.shared.stats.dropped += 1
+            return
+        self.shared.offer(runner.state_namespace(state), prefix, exported)
 
     def _add(self, flight: InFlight, request: Request) -> bool:
         req = flight.request
@@ -303,8 +371,8 @@ class Worker:
     def _apply_aborts(self) -> None:
         while not self.reader.aborts.empty():
             rid, reason = self.reader.aborts.get_nowait()
-            if rid in self.compiling:
-                flight = self.compiling.pop(rid)[1]
+            if rid in self.preparing:
+                flight = self.preparing.pop(rid).flight
                 self._finish_terminal(flight.stream, flight.entry_id, flight.request, c.STATUS_CANCELLED, reason,
                                       "cancelled")
                 continue
@@ -466,5 +534,10 @@ class Worker:
         if cache is None:
             return {}
         st = cache.stats
-        return {"prefix_lookups": st.lookups, "prefix_hits": st.hits, "prefix_tokens_saved": st.tokens_saved,
-                "prefix_bytes": cache.bytes_used(True) + cache.bytes_used(False)}
+        counts = {"prefix_lookups": st.lookups, "prefix_hits": st.hits, "prefix_tokens_saved": st.tokens_saved,
+                  "prefix_bytes": cache.bytes_used(True) + cache.bytes_used(False)}
+        if self.shared is not None:
+            sh = self.shared.stats
+            counts.update(shared_lookups=sh.lookups, shared_hits=sh.hits, shared_tokens=sh.tokens,
+                          shared_published=sh.published)
+        return counts
