@@ -37,6 +37,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-prefix-gib", type=float, default=2.0,
                    help="GiB of Redis memory for prefix states, all workers together: the least recently used are "
                         "evicted past it (0: no shared tier)")
+    g.add_argument("--shared-prefix-redis-url", default=None,
+                   help="a Redis for them other than the queue's (e.g. one without persistence; default: the queue's)")
     g.add_argument("--shared-prefix-ttl", type=int, default=3600, help="seconds a shared state lives unused")
     g.add_argument("--shared-prefix-min-tokens", type=int, default=256,
                    help="no shorter prefix's state is shared, and none fetched to save fewer tokens")
@@ -67,6 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                        max_deliveries=args.max_deliveries, drain_timeout_s=args.drain_timeout,
                        interactive_reserve=args.interactive_reserve, log_stats_interval_s=args.log_stats_interval,
                        gc_young_threshold=args.gc_young_threshold, shared_states_gib=args.shared_prefix_gib,
+                       shared_states_redis_url=args.shared_prefix_redis_url,
                        shared_states_ttl_s=args.shared_prefix_ttl,
                        shared_states_min_tokens=args.shared_prefix_min_tokens)
     worker = Worker(engine, cfg, device=device, model_name=Path(config.model).name)

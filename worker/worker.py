@@ -64,6 +64,7 @@ class WorkerConfig:
     gc_young_threshold: int = YOUNG_THRESHOLD  # engine/gc_policy.py
     shared_states_gib: float = 2.0  # the prefix cache's tier in Redis, all workers together (0: none)
     shared_states_ttl_s: int = 3600
+    shared_states_redis_url: str | None = None  # None: redis_url
     shared_states_min_tokens: int = 256  # no shorter prefix's state shared, none fetched to save fewer tokens
 
     def __post_init__(self) -> None:
@@ -315,7 +316,7 @@ class Worker:
             return None
         from worker.shared_states import SharedStates, SharedStatesConfig
         runner = self.engine.runner
-        shared = SharedStates(SharedStatesConfig(self.cfg.redis_url, cap, self.cfg.shared_states_ttl_s,
+        shared = SharedStates(SharedStatesConfig(self.cfg.shared_states_redis_url or self.cfg.redis_url, cap, self.cfg.shared_states_ttl_s,
                                                  self.cfg.shared_states_min_tokens),
                               runner.checkpoint_layout(), runner.prefix_cache_row_bytes,
                               lambda: self.engine.prefill_tokens_per_s)

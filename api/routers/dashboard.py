@@ -60,7 +60,8 @@ async def status(broker: Broker, private: bool) -> dict:
                      "running": w.running, "free_slots": w.free_slots, "num_slots": w.num_slots,
                      "tokens_per_s": w.tokens_per_s, "draining": w.draining,
                      "prefix_hit_rate": round(w.prefix_hits / w.prefix_lookups, 3) if w.prefix_lookups else None,
-                     "prefix_tokens_saved": w.prefix_tokens_saved, "prefix_bytes": w.prefix_bytes}
+                     "prefix_tokens_saved": w.prefix_tokens_saved, "prefix_bytes": w.prefix_bytes,
+                     "shared_hits": w.shared_hits, "shared_published": w.shared_published}
                     for w in workers],
         "warming": [{"name": w.name, "device": w.device, "model": w.model, "stages": w.stages,
                      "elapsed_s": w.elapsed_s, "status": w.describe()} for w in warming],
