@@ -29,27 +29,19 @@ def test_prefix_digests_are_the_digests_of_the_prefixes():
 
 
 def attach(engine, redis_url: str, cap: int = 1 << 30, rate: float = 0.0, min_tokens: int = 32) -> SharedStates:
-    """The shared tier wired to an engine as a worker wires it (worker.worker: offers and fetches)."""
-    runner = engine.runner
-    shared = SharedStates(SharedStatesConfig(redis_url, cap, ttl_s=600, min_tokens=min_tokens),
-                          runner.checkpoint_layout(), runner.prefix_cache_row_bytes, lambda: rate)
-
-    def offer(cp, prefix, state):
-        exported = runner.export_checkpoint(cp.payload, cp.has_logits)
-        if exported is not None:
-            shared.offer(runner.state_namespace(state), prefix, exported)
-    engine.prefix_cache.on_shared = offer
+    """The shared tier wired to an engine as a worker wires it; ``rate``: the prefill rate it assumes (0: unknown,
+    so a state found is fetched)."""
+    shared = SharedStates.for_engine(engine, SharedStatesConfig(redis_url, cap, ttl_s=600, min_tokens=min_tokens))
+    shared.prefill_tokens_per_s = lambda: rate
     return shared
 
 
 def fetch_then_run(engine, shared: SharedStates, rid: str, prompt: list[int], **params):
-    """A worker's path for one request: look the prompt up, take a fetched state, run; the run and what came from
-    the shared tier (tokens, 0: nothing)."""
-    future = shared.lookup(prompt, engine.runner.state_namespace(None), engine.cached_prefix_tokens(prompt))
-    fetched = future.result(timeout=10) if future is not None else None
-    if fetched is not None:
-        assert engine.import_prefix(prompt[:fetched.tokens], None, fetched.blob)
-    return run_one(engine, rid, prompt, **params), (fetched.tokens if fetched else 0)
+    """A worker's path for one request: look the prompt up, take a fetched state, run; the run and the prompt
+    tokens the shared tier gave (0: none)."""
+    future = shared.lookup_request(prompt, None)
+    taken = shared.take(prompt, None, future.result(timeout=10) if future is not None else None)
+    return run_one(engine, rid, prompt, **params), taken
 
 
 @pytest.mark.parametrize("kind", PARAMS)

@@ -143,6 +143,7 @@ class SharedStates:
         self.redis = redis.Redis.from_url(cfg.redis_url, socket_timeout=10)
         self._publish = self.redis.register_script(PUBLISH_LUA)
         self.stats = SharedStats()
+        self.engine = None  # for_engine
         self._fetch_bytes_per_s = 1e9  # until measured
         self._fetchers = ThreadPoolExecutor(cfg.fetch_threads, thread_name_prefix="gaggle-state-fetch")
         self._outbox: queue.Queue = queue.Queue(maxsize=8)
@@ -288,6 +289,42 @@ class SharedStates:
                 return True
             time.sleep(0.01)
         return False
+
+    # -- an engine's side ------------------------------------------------------------------------------
+
+    @classmethod
+    def for_engine(cls, engine, cfg: SharedStatesConfig) -> "SharedStates":
+        """The shared tier of ``engine``'s prefix cache: its checkpoints that prove shared are offered here."""
+        runner = engine.runner
+        shared = cls(cfg, runner.checkpoint_layout(), runner.prefix_cache_row_bytes,
+                     lambda: engine.prefill_tokens_per_s)
+        shared.engine = engine
+        engine.prefix_cache.on_shared = shared._offer_checkpoint
+        return shared
+
+    def _offer_checkpoint(self, checkpoint, prefix: list[int], state: str | None) -> None:
+        runner = self.engine.runner
+        exported = runner.export_checkpoint(checkpoint.payload, checkpoint.has_logits)
+        if exported is None:
+            self.stats.dropped += 1
+            return
+        self.offer(runner.state_namespace(state), prefix, exported)
+
+    def lookup_request(self, prompt: list[int], state: str | None) -> Future | None:
+        """``lookup`` for a prompt of this engine (from the initial state ``state``): beyond what it holds."""
+        engine = self.engine
+        return self.lookup(prompt, engine.runner.state_namespace(state), engine.cached_prefix_tokens(prompt, state))
+
+    def take(self, prompt: list[int], state: str | None, fetched: Fetched | None) -> int:
+        """A fetched state into the engine's cache, before its request is added: the prompt tokens it covers (0:
+        none; the prompt is prefilled)."""
+        if fetched is None:
+            return 0
+        try:
+            return fetched.tokens if self.engine.import_prefix(prompt[:fetched.tokens], state, fetched.blob) else 0
+        except Exception:  # a prefill instead
+            log.exception("could not take a shared prefix state")
+            return 0
 
     def close(self) -> None:
         self._fetchers.shutdown(wait=False, cancel_futures=True)

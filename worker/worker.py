@@ -315,37 +315,18 @@ class Worker:
         if cache is None or cap <= 0:
             return None
         from worker.shared_states import SharedStates, SharedStatesConfig
-        runner = self.engine.runner
-        shared = SharedStates(SharedStatesConfig(self.cfg.shared_states_redis_url or self.cfg.redis_url, cap, self.cfg.shared_states_ttl_s,
-                                                 self.cfg.shared_states_min_tokens),
-                              runner.checkpoint_layout(), runner.prefix_cache_row_bytes,
-                              lambda: self.engine.prefill_tokens_per_s)
-        cache.on_shared = self._offer_shared
-        return shared
+        return SharedStates.for_engine(self.engine, SharedStatesConfig(
+            self.cfg.shared_states_redis_url or self.cfg.redis_url, cap, self.cfg.shared_states_ttl_s,
+            self.cfg.shared_states_min_tokens))
 
     def _fetch_shared_prefix(self, request: Request) -> Future | None:
         if self.shared is None or request.params.prompt_logprobs is not None:
             return None
-        state = request.params.state
-        have = self.engine.cached_prefix_tokens(request.prompt_token_ids, state)
-        return self.shared.lookup(request.prompt_token_ids, self.engine.runner.state_namespace(state), have)
+        return self.shared.lookup_request(request.prompt_token_ids, request.params.state)
 
     def _after_fetch(self, flight: InFlight, request: Request, fetched) -> bool:
-        if fetched is not None:
-            try:
-                self.engine.import_prefix(request.prompt_token_ids[:fetched.tokens], request.params.state,
-                                          fetched.blob)
-            except Exception:  # a prefill instead
-                log.exception("could not take a shared prefix state", extra={"request_id": request.request_id})
+        self.shared.take(request.prompt_token_ids, request.params.state, fetched)
         return self._compile_then_add(flight, request)
-
-    def _offer_shared(self, checkpoint, prefix: list[int], state: str | None) -> None:
-        runner = self.engine.runner
-        exported = runner.export_checkpoint(checkpoint.payload, checkpoint.has_logits)
-        if exported is None:
-            self.shared.stats.dropped += 1
-            return
-        self.shared.offer(runner.state_namespace(state), prefix, exported)
 
     def _add(self, flight: InFlight, request: Request) -> bool:
         req = flight.request
