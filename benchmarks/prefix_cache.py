@@ -4,7 +4,10 @@
   queued at once (a bulk job), ``--output`` tokens each: prompt tokens computed, wall time;
 - chats: ``--chats`` conversations of ``--turns`` turns (``--turn-in`` new tokens, ``--turn-out`` out), each turn
   re-sending its whole history: time to first token of turn 2 and of the last turn;
-- random: the shared workload's sizes with nothing shared: wall time (what the cache costs where it cannot help).
+- random: the shared workload's sizes with nothing shared: wall time (what the cache costs where it cannot help);
+- shared tier: engine A serves two prompts on a ``--tier-prefix`` token prefix (its state goes to Redis), then engine
+  B, which never saw it, serves a third: B's time to first token against a cold engine's, and whether its tokens
+  are the cold engine's (greedy).
 
 Random token ids, greedy, ignore_eos. Prints tables; ``--out`` puts them in BENCHMARKS.md (area ``prefix-cache``).
 
@@ -23,6 +26,57 @@ import time
 from benchmarks.report import command_line, markdown_table, publish
 
 
+def release(engine) -> None:
+    """An engine's device memory back before the next one is built."""
+    import gc
+
+    import torch
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def first_token_and_tokens(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """One prompt alone (greedy): seconds to its first token, and its tokens."""
+    wall, first, _ = run(engine, {rid: prompt}, max_tokens, keep := {})
+    return first[rid], keep[rid]
+
+
+def shared_tier(args, reference: tuple[float, list[int]], prompts: list[list[int]]) -> dict:
+    """Engine A on ``prompts[:2]`` (their common prefix is written to Redis), then engine B on ``prompts[2]``."""
+    import tempfile
+
+    from worker.redis_server import RedisServer
+    from worker.shared_states import SharedStates, SharedStatesConfig
+    server = RedisServer(tempfile.mkdtemp(prefix="gaggle-bench-redis-"), appendonly=False).start()
+    try:
+        cfg = SharedStatesConfig(server.url, 2 << 30, min_tokens=256)
+        a = make_engine(args, cache_on=True)
+        shared_a = SharedStates.for_engine(a, cfg)
+        for i, p in enumerate(prompts[:2]):
+            first_token_and_tokens(a, f"a{i}", p, 4)
+        shared_a.flush(30)
+        published = shared_a.stats.bytes_published
+        shared_a.close()
+        release(a)
+        b = make_engine(args, cache_on=True)
+        shared_b = SharedStates.for_engine(b, cfg)
+        t0 = time.perf_counter()
+        future = shared_b.lookup_request(prompts[2], None)
+        taken = shared_b.take(prompts[2], None, future.result() if future is not None else None)
+        fetch_s = time.perf_counter() - t0
+        ttft, toks = first_token_and_tokens(b, "b", prompts[2], len(reference[1]))
+        stats = shared_b.stats
+        shared_b.close()
+        release(b)
+    finally:
+        server.stop()
+    return {"taken": taken, "fetch_ms": 1e3 * fetch_s, "ttft_ms": 1e3 * (fetch_s + ttft),
+            "cold_ttft_ms": 1e3 * reference[0], "same": toks == reference[1], "bytes": stats.bytes_fetched,
+            "published": published}
+
+
 def make_engine(args, cache_on: bool):
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
@@ -38,9 +92,10 @@ def rand_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, 65530) for _ in range(n)]
 
 
-def run(engine, prompts: dict[str, list[int]], max_tokens: int) -> tuple[float, dict[str, float], int]:
+def run(engine, prompts: dict[str, list[int]], max_tokens: int,
+        tokens_out: dict[str, list[int]] | None = None) -> tuple[float, dict[str, float], int]:
     """All ``prompts`` queued at once, stepped to the end: wall seconds, each one's time to its first token, and
-    the prompt tokens it took from the cache."""
+    the prompt tokens it took from the cache (``tokens_out``: each one's tokens, where given)."""
     from engine.params import SamplingParams
     from engine.sequence import Request
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -54,6 +109,8 @@ def run(engine, prompts: dict[str, list[int]], max_tokens: int) -> tuple[float, 
             if out.request_id not in first:
                 first[out.request_id] = time.perf_counter() - t0
                 cached += out.num_cached_tokens
+            if tokens_out is not None:
+                tokens_out.setdefault(out.request_id, []).extend(out.token_ids)
     return time.perf_counter() - t0, first, cached
 
 
@@ -105,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--turn-in", type=int, default=100)
     p.add_argument("--turn-out", type=int, default=100)
+    p.add_argument("--tier-prefix", type=int, default=2000, help="the shared tier's prefix, tokens (0: skip it)")
     p.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
     args = p.parse_args(argv)
     if args.model == "demo":
@@ -114,13 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(ensure_demo_model(Path(".gaggle")))
     rows_shared, rows_chat, rows_random = [], [], []
     results = {}
+    rng = random.Random(4)
+    tier_prefix = rand_tokens(rng, args.tier_prefix)
+    tier_prompts = [tier_prefix + rand_tokens(rng, 50) for _ in range(3)]
+    reference = None
     for cache_on in (False, True):
         engine = make_engine(args, cache_on)
         label = "cache on" if cache_on else "cache off"
+        if not cache_on and args.tier_prefix:
+            first_token_and_tokens(engine, "warm", tier_prompts[0], 2)
+            reference = first_token_and_tokens(engine, "cold", tier_prompts[2], 32)
         results[label] = {"shared": shared_workload(args, engine, random.Random(1), share=True),
                           "random": shared_workload(args, engine, random.Random(2), share=False),
                           "chat": chat_workload(args, engine, random.Random(3))}
-        del engine
+        release(engine)
+    tier = shared_tier(args, reference, tier_prompts) if args.tier_prefix else None
     off, on = results["cache off"], results["cache on"]
     for label, r in results.items():
         s = r["shared"]
@@ -139,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             + markdown_table(["", "turn 2", f"turn {args.turns}", f"turn {args.turns} / turn 2"], rows_chat)
             + f"\nNothing shared: {args.lines:,} random prompts of {args.shared + args.unique:,} tokens\n\n"
             + markdown_table(["", "wall s", "speed vs cache off"], rows_random))
+    if tier is not None:
+        body += (f"\nShared tier (Redis, same host): engine A serves two prompts on a {args.tier_prefix:,}-token prefix; "
+                 "engine B, which never saw it, serves a third (50 new tokens, 32 out, greedy)\n\n"
+                 + markdown_table(["", "prompt tokens from the shared tier", "state bytes fetched",
+                                   "lookup + fetch ms", "time to first token ms", "tokens = cold run"],
+                                  [["engine B", f"{tier['taken']:,}", f"{tier['bytes']:,}", f"{tier['fetch_ms']:.1f}",
+                                    f"{tier['ttft_ms']:.1f}", "yes" if tier["same"] else "no"],
+                                   ["cold engine", "0", "–", "–", f"{tier['cold_ttft_ms']:.1f}", "–"]]))
     publish("prefix-cache", command_line("benchmarks.prefix_cache", argv), body, args.out, title="Prefix cache")
     return 0 if on["shared"]["computed"] <= off["shared"]["computed"] else 1
 
