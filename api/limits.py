@@ -29,6 +29,7 @@ class Limits:
     vocab_size: int  # token ids in prompts lie below this
     max_n: int  # choices per prompt: each takes a slot of one worker (and a queue entry holds at most c.MAX_N)
     states: frozenset[str] | None = None  # initial states every live worker holds (None: no worker to ask)
+    state_shape: tuple[int, ...] | None = None  # [layers, heads, head size] the live workers agree on
 
     @classmethod
     def of(cls, settings: Settings, workers: Iterable[c.Heartbeat] = ()) -> "Limits":
@@ -41,7 +42,12 @@ class Limits:
                    max_model_len=tightest(settings.max_model_len, (w.max_model_len for w in workers)),
                    vocab_size=tightest(VOCAB_SIZE, (w.vocab_size for w in workers)),
                    max_n=tightest(min(settings.max_n, c.MAX_N), (w.num_slots for w in workers)),
-                   states=frozenset.intersection(*(frozenset(w.states) for w in workers)) if workers else None)
+                   states=frozenset.intersection(*(frozenset(w.states) for w in workers)) if workers else None,
+                   state_shape=_agreed({tuple(w.state_shape) for w in workers if w.state_shape}))
+
+
+def _agreed(values: set) -> tuple | None:
+    return next(iter(values)) if len(values) == 1 else None
 
 
 async def current_limits(broker: Broker, settings: Settings) -> Limits:

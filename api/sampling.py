@@ -14,6 +14,7 @@ from api.errors import OpenAIError, bad_request
 from api.limits import Limits
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.params import ParamError, SamplingParams, token_id_of
+from worker import contract as c
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's
 
@@ -99,8 +100,9 @@ def final_params(draft: Draft, max_tokens: list[int], limits: Limits) -> list[Sa
         if m not in built:
             built[m] = _built(draft, m, limits.vocab_size)
     state = draft.fields.get("state")
-    if state is not None and limits.states is not None and state not in limits.states:
-        held = ", ".join(sorted(limits.states)) or "none (start workers with --state NAME=FILE)"
+    uploaded = isinstance(state, str) and state.startswith(c.UPLOADED_STATE_PREFIX)  # its worker checks it
+    if state is not None and not uploaded and limits.states is not None and state not in limits.states:
+        held = ", ".join(sorted(limits.states)) or "none (start workers with --state NAME=FILE, or upload one)"
         raise bad_request(f"state {state!r} is not an initial state the workers hold; they hold: {held}", "state",
                           "unknown_state")
     return [built[m] for m in max_tokens]

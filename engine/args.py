@@ -99,6 +99,8 @@ def parse_states(specs: list[str]) -> dict[str, str]:
         name, sep, path = spec.partition("=")
         if not sep or not STATE_NAME.fullmatch(name) or not path:
             raise ValueError(f"--state takes NAME=FILE (a name of letters, digits, '.', '_' or '-'), got {spec!r}")
+        if name.startswith("file-"):  # worker.contract.UPLOADED_STATE_PREFIX: uploaded states' names
+            raise ValueError(f"--state {name}: names starting with 'file-' are those of uploaded state files")
         if name in states:
             raise ValueError(f"--state {name} is given twice")
         if not Path(path).is_file():

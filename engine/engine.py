@@ -18,6 +18,7 @@ constrained rows never wait here.
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 import time
@@ -28,6 +29,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import to_device
+from engine.initial_states import load_initial_state
 from engine.phases import PhaseClock
 from engine.runner import LaunchedStep, ModelRunner
 from engine.sampler import SampleOutput
@@ -42,7 +44,8 @@ from engine.weights import Rwkv7Weights, load_model
 log = logging.getLogger(__name__)
 
 SEED_MASK = (1 << 63) - 1
-PREFILL_RATE_MIN_TOKENS = 64  # steps that prefilled fewer say little about the prefill rate
+PREFILL_RATE_MIN_TOKENS = 64
+MAX_UPLOADED_STATES = 64  # uploaded initial states loaded at once (each one model state on the device)  # steps that prefilled fewer say little about the prefill rate
 SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
 
 
@@ -75,6 +78,7 @@ class LLMEngine:
         self.clock = PhaseClock()  # host seconds per phase of step()
         self._prefill_rate = 0.0  # prefill_tokens_per_s
         self._last_collect = 0.0
+        self._uploaded_states: list[str] = []  # load_state, oldest first
 
     # -- public API ---------------------------------------------------------------
 
@@ -131,8 +135,25 @@ class LLMEngine:
 
     @property
     def state_names(self) -> list[str]:
-        """The initial states a request may name (``--state``)."""
+        """The initial states a request may name: ``--state`` ones and uploaded ones loaded so far."""
         return sorted(getattr(self.runner, "initial_states", {}))
+
+    def load_state(self, name: str, data: bytes) -> None:
+        """An uploaded initial state (a state-tuning file's bytes) under ``name``; StateFileError if it does not
+        fit this model. The least recently loaded uploaded state that no request uses goes past
+        MAX_UPLOADED_STATES."""
+        runner = self.runner
+        runner.initial_states[name] = load_initial_state(name, io.BytesIO(data), runner.shape, runner.device,
+                                                         runner.pool.att_shift.dtype, runner.state_dtype)
+        self._uploaded_states.append(name)
+        if len(self._uploaded_states) > MAX_UPLOADED_STATES:
+            in_use = {seqs[0].params.state for seqs in self._sequences.values()}
+            for old in self._uploaded_states:
+                if old not in in_use and old != name:
+                    self._uploaded_states.remove(old)
+                    del runner.initial_states[old]
+                    log.info("uploaded state unloaded", extra={"state": old})
+                    break
 
     # -- the prefix cache's shared tier (worker.shared_states) ------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -29,11 +30,16 @@ class InitialState:
     wkv: torch.Tensor  # [L, H, N, N], official layout
 
 
-def load_initial_state(name: str, path: str | Path, shape: ModelShape, device: torch.device | str,
+def load_initial_state(name: str, path: str | Path | BinaryIO, shape: ModelShape, device: torch.device | str,
                        shift_dtype: torch.dtype, state_dtype: torch.dtype) -> InitialState:
-    """The state file at ``path`` for a model of ``shape``; StateFileError saying what does not fit."""
+    """The state file at ``path`` (or an open file: an uploaded one) for a model of ``shape``; StateFileError
+    saying what does not fit."""
+    if not isinstance(path, (str, Path)):
+        source, path = path, "the uploaded file"
+    else:
+        source = path
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        raw = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:
         raise StateFileError(f"state {name!r}: cannot read {path} as a PyTorch file: {e}") from e
     if not isinstance(raw, dict):

@@ -121,3 +121,51 @@ def test_the_api_takes_a_held_state_and_refuses_others_at_once(redis_server, tin
     finally:
         api.stop()
         worker.kill()
+
+
+def test_an_uploaded_state_file_serves_its_tenant_as_the_same_file_given_at_start(redis_server, tiny_model_path,
+                                                                                   tmp_path):
+    """POST /v1/files (purpose rwkv_state) checks the file and stores it; a request naming its id starts from it
+    (the tokens of the same file loaded with --state); another tenant naming it, a bad file and a file of another
+    shape are 400s."""
+    import httpx
+
+    from tests.queue_helpers import start_worker
+    from tests.test_api_support import ApiServer, flushed, wait_heartbeat
+    r = flushed(redis_server.url)
+    shape = load_model(tiny_model_path).shape
+    state_file = write_state_file(tmp_path / "tuned.pth", shape, seed=3)
+    worker = start_worker(redis_server.url, str(tiny_model_path), "upload-worker", "--state", f"tuned={state_file}")
+    api = ApiServer(redis_server.url, env={"GAGGLE_API_KEYS": "ka:alice,kb:bob"}).wait_healthy()
+    try:
+        wait_heartbeat(r, "upload-worker")
+
+        def upload(data: bytes, key: str = "ka") -> httpx.Response:
+            return httpx.post(api.url + "/v1/files", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                              files={"file": ("state.pth", data)}, data={"purpose": "rwkv_state"})
+
+        def complete(key: str = "ka", **kw) -> httpx.Response:
+            return httpx.post(api.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                              json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, **kw})
+
+        made = upload(state_file.read_bytes())
+        assert made.status_code == 200, made.text
+        file_id = made.json()["id"]
+        assert made.json()["purpose"] == "rwkv_state"
+        from_upload = complete(state=file_id)
+        assert from_upload.status_code == 200, from_upload.text
+        assert from_upload.json()["choices"][0]["text"] == complete(state="tuned").json()["choices"][0]["text"]
+        assert from_upload.json()["choices"][0]["text"] != complete().json()["choices"][0]["text"]
+        theirs = complete("kb", state=file_id)
+        assert theirs.status_code == 400 and "not an uploaded state file of this tenant" in theirs.json()["error"]["message"]
+        bad = upload(b"not a state file")
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_state_file"
+        import dataclasses
+        other_shape = write_state_file(tmp_path / "other.pth", dataclasses.replace(shape, n_layer=3), seed=1)
+        wrong = upload(other_shape.read_bytes())
+        assert wrong.status_code == 400 and "3 layers" in wrong.json()["error"]["message"]
+        deleted = httpx.delete(api.url + f"/v1/files/{file_id}", headers={"Authorization": "Bearer ka"}, timeout=30)
+        assert deleted.status_code == 200 and not r.exists(f"gaggle:istate:{file_id}")
+    finally:
+        api.stop()
+        worker.kill()

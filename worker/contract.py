@@ -37,6 +37,8 @@ Key space (all under ``gaggle:``):
                                    that digest: state digest -> "<tokens>[:l]" (l: its last logits are kept)
     pstate-lru             zset    state key -> last use: the shared states' byte cap evicts the least recent
     pstate-sizes           hash    state key -> bytes;  pstate-bytes  string: their total
+    istate:<file id>       hash    an initial state uploaded with POST /v1/files (purpose rwkv_state): tenant, data
+                                   (the .pth bytes); workers load it when a request of that tenant names it
     api:<owner>            string  an API process's lease (TTL OWNER_TTL_S, refreshed every OWNER_REFRESH_S):
                                    workers cancel the sync requests of an owner whose lease lapsed
 
@@ -213,6 +215,14 @@ def response_key(response_id: str) -> str:
 
 def file_key(file_id: str) -> str:
     return f"{PREFIX}file:{file_id}"
+
+
+UPLOADED_STATE_PREFIX = "file-"  # a request's "state" naming an uploaded state file (its file id), not a --state
+
+
+def uploaded_state_key(file_id: str) -> str:
+    """An uploaded initial state (hash: tenant, data = the .pth bytes), TTL the file's."""
+    return f"{PREFIX}istate:{file_id}"
 
 
 def files_index(tenant: str) -> str:
@@ -583,6 +593,7 @@ class Heartbeat:
     shared_tokens: int = 0  # prompt tokens those fetched states saved
     shared_published: int = 0  # states this worker wrote there
     states: list[str] = field(default_factory=list)  # initial states a request may name (--state)
+    state_shape: list[int] = field(default_factory=list)  # [layers, heads, head size] of its model's wkv state
 
     def encode(self) -> bytes:
         return dumps({"v": SCHEMA_VERSION, **asdict(self)})

@@ -15,7 +15,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
@@ -97,6 +97,7 @@ class Worker:
         # compilation): each goes on once its future is done
         self.preparing: dict[str, Preparing] = {}
         self.shared = self._make_shared_states()
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="gaggle-worker-io")  # rare reads: state files
         self.started = time.time()
         self.draining = False
         self.stop_now = False
@@ -286,11 +287,51 @@ class Worker:
             params.seed = c.stable_seed(req.id)
         request = Request(req.id, list(req.prompt_token_ids), params, n=req.n,
                           priority=c.PRIORITIES.index(req.priority))
+        state = params.state
+        if state is not None and state.startswith(c.UPLOADED_STATE_PREFIX):  # its owner checked each time
+            read = self._background.submit(self._read_uploaded_state, state, req.tenant,
+                                           state not in self.engine.state_names)
+            self.preparing[req.id] = Preparing(read, flight, request, self._after_state_read)
+            return True
+        return self._fetch_then_add(flight, request)
+
+    def _fetch_then_add(self, flight: InFlight, request: Request) -> bool:
         fetch = self._fetch_shared_prefix(request)
         if fetch is not None:  # a longer prefix state than ours is in the shared tier: fetched off the loop
-            self.preparing[req.id] = Preparing(fetch, flight, request, self._after_fetch)
+            self.preparing[request.request_id] = Preparing(fetch, flight, request, self._after_fetch)
             return True
         return self._compile_then_add(flight, request)
+
+    # -- uploaded initial states (POST /v1/files, purpose rwkv_state) ----------------------------------
+
+    def _read_uploaded_state(self, file_id: str, tenant: str, load: bool) -> bytes | str | None:
+        """(A thread.) The state file's bytes (``load``; else None: it is loaded here already), or why the
+        request may not use it: another tenant's file is as unknown as a deleted or expired one."""
+        key = c.uploaded_state_key(file_id)
+        try:
+            tenant_of, data = self.io.redis.hmget(key, "tenant", "data") if load else \
+                (self.io.redis.hget(key, "tenant"), None)
+        except Exception as e:  # never None here: None means allowed
+            return f"could not read state {file_id!r}: {e}"
+        if tenant_of is None or tenant_of.decode() != tenant or (load and data is None):
+            return (f"state {file_id!r} is not an uploaded state file of this tenant (upload one with POST "
+                    "/v1/files, purpose rwkv_state)")
+        return data
+
+    def _after_state_read(self, flight: InFlight, request: Request, data) -> bool:
+        rid = request.request_id
+        error = data if isinstance(data, str) else None
+        if data is not None and error is None:
+            try:
+                self.engine.load_state(request.params.state, data)
+                log.info("uploaded state loaded", extra={"request_id": rid, "state": request.params.state})
+            except ValueError as e:  # engine.initial_states.StateFileError
+                error = str(e)
+        if error is not None:
+            self._dead_letter(Incoming(flight.stream, flight.entry_id, None, 0), rid, error, flight.request,
+                              invalid=True)
+            return False
+        return self._fetch_then_add(flight, request)
 
     def _compile_then_add(self, flight: InFlight, request: Request) -> bool:
         future = self.engine.prepare(request)
@@ -509,7 +550,13 @@ class Worker:
                            free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),
                            started=self.started, draining=self.draining,
                            max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
-                           states=getattr(self.engine, "state_names", []), **self._prefix_cache_counts())
+                           states=[s for s in getattr(self.engine, "state_names", [])
+                                   if not s.startswith(c.UPLOADED_STATE_PREFIX)],
+                           state_shape=self._state_shape(), **self._prefix_cache_counts())
+
+    def _state_shape(self) -> list[int]:
+        shape = getattr(getattr(self.engine, "runner", None), "shape", None)
+        return [shape.n_layer, shape.n_head, shape.head_size] if shape is not None else []
 
     def _prefix_cache_counts(self) -> dict:
         cache = getattr(self.engine, "prefix_cache", None)

@@ -17,7 +17,7 @@ from typing import BinaryIO, Iterator, Protocol
 
 from worker import contract as c
 
-UPLOAD_PURPOSES = ("batch",)
+UPLOAD_PURPOSES = ("batch", "rwkv_state")  # rwkv_state: an initial state (api.state_files)
 OUTPUT_PURPOSE = "batch_output"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # OpenAI's range for expires_after.seconds

@@ -32,7 +32,8 @@ class FileService:
         self.store = store
 
     async def create(self, tenant: str, filename: str, purpose: str, chunks: Iterator[bytes],
-                     expires_after_s: int | None) -> FileMeta:
+                     expires_after_s: int | None, uploaded_state: bytes | None = None) -> FileMeta:
+        """``uploaded_state``: the file is an initial state (its bytes): also put where workers read it."""
         if purpose not in UPLOAD_PURPOSES:
             raise bad_request(f"purpose must be one of {list(UPLOAD_PURPOSES)}, got {purpose!r}", "purpose")
         if expires_after_s is not None and not MIN_EXPIRY_S <= expires_after_s <= MAX_EXPIRY_S:
@@ -45,6 +46,10 @@ class FileService:
                         expires_at=now + (expires_after_s or c.BATCH_TTL_S))
         pipe = self.redis.pipeline(transaction=True)
         meta.record(pipe)
+        if uploaded_state is not None:
+            key = c.uploaded_state_key(file_id)
+            pipe.hset(key, mapping={"tenant": tenant, "data": uploaded_state})
+            pipe.expireat(key, meta.expires_at)
         await pipe.execute()
         log.info("file stored", extra={"file_id": file_id, "tenant": tenant, "bytes": size})
         return meta
@@ -78,7 +83,7 @@ class FileService:
     async def delete(self, tenant: str, file_id: str) -> dict:
         meta = await self.get(tenant, file_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(c.file_key(file_id))
+        pipe.delete(c.file_key(file_id), c.uploaded_state_key(file_id))
         pipe.zrem(c.files_index(tenant), file_id)
         await pipe.execute()
         await asyncio.to_thread(self.store.delete, meta.id)

@@ -9,7 +9,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
+import asyncio
+
 from api.auth import get_tenant
+from api.limits import current_limits
+from api.settings import Settings, get_settings
+from api.state_files import MAX_STATE_FILE_BYTES, STATE_PURPOSE, StateFileRefused, state_file_shape
 from api.batch.files import MAX_UPLOAD_BYTES, read_chunks
 from api.batch.service import FileService
 from api.errors import OpenAIError, bad_request
@@ -24,9 +29,11 @@ def _service(request: Request) -> FileService:
 
 
 @router.post("/v1/files", responses=errors(400, 401, 413))
-async def create_file(request: Request, tenant: str = Depends(get_tenant)) -> Response:
-    """multipart/form-data: ``file``, ``purpose`` (batch), optional ``expires_after[anchor]`` (created_at) and
-    ``expires_after[seconds]``, as the openai SDK sends them."""
+async def create_file(request: Request, tenant: str = Depends(get_tenant),
+                      settings: Settings = Depends(get_settings)) -> Response:
+    """multipart/form-data: ``file``, ``purpose`` (batch; or rwkv_state: an initial state a request names by the
+    file's id), optional ``expires_after[anchor]`` (created_at) and ``expires_after[seconds]``, as the openai SDK
+    sends them."""
     try:
         form = await request.form(max_files=1, max_fields=16)
     except Exception as e:  # not multipart, malformed, too many parts
@@ -42,11 +49,37 @@ async def create_file(request: Request, tenant: str = Depends(get_tenant)) -> Re
         if upload.file.tell() > MAX_UPLOAD_BYTES:
             raise OpenAIError(413, f"the file is larger than {MAX_UPLOAD_BYTES} bytes", code="file_too_large")
         upload.file.seek(0)
-        meta = await _service(request).create(tenant, upload.filename or "upload.jsonl", purpose,
-                                              read_chunks(upload.file), _expires_after(form))
+        expires = _expires_after(form)
+        if purpose == STATE_PURPOSE:
+            data = await _checked_state_file(request, upload, settings)
+            meta = await _service(request).create(tenant, upload.filename or "state.pth", purpose, iter([data]),
+                                                  expires, uploaded_state=data)
+        else:
+            meta = await _service(request).create(tenant, upload.filename or "upload.jsonl", purpose,
+                                                  read_chunks(upload.file), expires)
     finally:
         await form.close()
     return JSONBytesResponse(meta.openai())
+
+
+async def _checked_state_file(request: Request, upload: UploadFile, settings: Settings) -> bytes:
+    """An initial state's bytes, checked (a state-tuning file, of the live workers' model's shape) before
+    anything is stored."""
+    upload.file.seek(0, 2)
+    if upload.file.tell() > MAX_STATE_FILE_BYTES:
+        raise OpenAIError(413, f"a state file is at most {MAX_STATE_FILE_BYTES} bytes", code="file_too_large")
+    upload.file.seek(0)
+    data = await asyncio.to_thread(upload.file.read)
+    try:
+        shape = await asyncio.to_thread(state_file_shape, data)
+    except StateFileRefused as e:
+        raise bad_request(f"file: not a usable state file: {e}", "file", "invalid_state_file") from None
+    want = (await current_limits(request.app.state.generation.broker, settings)).state_shape
+    if want is not None and tuple(shape) != tuple(want):
+        raise bad_request(f"file: a state of {shape[0]} layers of {shape[1]} heads of size {shape[2]}; the workers' "
+                          f"model needs {want[0]} layers of {want[1]} heads of size {want[2]}", "file",
+                          "invalid_state_file")
+    return data
 
 
 def _expires_after(form) -> int | None:
