@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError, RedisError
 from api.pipelined import Commands, PipelinedRedis
 from api.pubsub import Multiplexer
 from worker import contract as c
+from worker.prefix_digests import PrefixDigests
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,45 @@ class Broker:
     # -- requests --------------------------------------------------------------------------
 
     async def enqueue(self, requests: list[c.QueuedRequest]) -> None:
-        """Write each request's record, then add it to its tenant's stream (one MULTI)."""
+        """Write each request's record, then add it to its tenant's stream (one MULTI), each marked with the
+        worker that holds its prompt's prefix where one does (``routes``)."""
+        prefer = await self.routes(requests)
         commands = Commands()
         for req in requests:
-            req.enqueue(commands)
+            req.enqueue(commands, prefer.get(req.id, ""))
         await self.pipelined.execute(commands.args, transaction=True)
+
+    async def routes(self, requests: list[c.QueuedRequest]) -> dict[str, str]:
+        """request id -> the live worker with room that advertises the longest prefix of its prompt (prompts of
+        at least ROUTE_MIN_TOKENS from the zero state, with two or more workers live). A hint: any worker may
+        still run it, and a Redis error means no preference."""
+        long = [r for r in requests if len(r.prompt_token_ids) >= c.ROUTE_MIN_TOKENS and not r.params.get("state")]
+        if not long:
+            return {}
+        try:
+            live = await self.live_workers()
+            if len(live) < 2:
+                return {}
+            room = {w.name for w in live if not w.draining and w.free_slots > 0}
+            first = c.ROUTE_MIN_TOKENS // c.STATE_BLOCK
+            keys, spans = [], []
+            for req in long:
+                digests = PrefixDigests(req.prompt_token_ids)
+                blocks = range(len(req.prompt_token_ids) // c.STATE_BLOCK, first - 1, -1)  # longest first
+                spans.append((req.id, len(keys), len(blocks)))
+                keys += [c.held_key(digests.block(k)) for k in blocks]
+            holders = await self.redis.mget(keys)
+        except (RedisError, OSError) as e:
+            log.warning("no prefix routing: redis unavailable", extra={"error": str(e)})
+            return {}
+        prefer = {}
+        for rid, start, count in spans:
+            for holder in holders[start:start + count]:
+                name = holder.decode() if isinstance(holder, bytes) else holder
+                if name in room:
+                    prefer[rid] = name
+                    break
+        return prefer
 
     async def cancel(self, request_ids: list[str]) -> None:
         """Cancel marker (for requests not picked up yet) + abort message (for running ones)."""

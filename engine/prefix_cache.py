@@ -92,6 +92,8 @@ class PrefixCache:
         # on_shared(checkpoint, prefix, root): a checkpoint proved shared (made where prompts diverge, or hit),
         # once each; the worker offers it to the cross-worker tier (worker.shared_states)
         self.on_shared: Callable[[Checkpoint, list[int], str | None], None] | None = None
+        # on_added(prefix, root): a checkpoint was made (the worker advertises what it holds, for routing)
+        self.on_added: Callable[[list[int], str | None], None] | None = None
 
     # -- planning (the scheduler) -----------------------------------------------------------------
 
@@ -199,6 +201,8 @@ class PrefixCache:
         self._tiers[True][id(cp)] = cp
         self._used_bytes[True] += nbytes
         self.stats.checkpoints_made += 1
+        if self.on_added is not None:
+            self.on_added(prefix, root)
         if shared:
             self._offer(cp, prefix, root)
         return cp

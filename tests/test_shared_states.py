@@ -17,7 +17,8 @@ from tests.queue_helpers import start_worker, submit, wait_results
 from tests.test_engine import tokens
 from tests.test_prefix_cache import PARAMS, run_one
 from worker import contract as c
-from worker.shared_states import PrefixDigests, SharedStates, SharedStatesConfig
+from worker.prefix_digests import PrefixDigests
+from worker.shared_states import SharedStates, SharedStatesConfig
 
 
 def test_prefix_digests_are_the_digests_of_the_prefixes():

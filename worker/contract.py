@@ -32,11 +32,17 @@ Key space (all under ``gaggle:``):
                                    conversation so far as chat messages), TTL the API's response_ttl_s
     pstate:<ns>:<digest>   string  a prompt prefix's recurrent state, shared by workers (engine.state_blob bytes;
                                    TTL, refreshed on use): ns = model, numerics and initial state, digest = the
-                                   prefix's tokens (prefix_digest); written and read by worker.shared_states only
+                                   prefix's tokens (worker.prefix_digests); written and read by worker.shared_states only
     pstate-idx:<ns>:<digest>  hash  the shared states whose prefix starts with a STATE_BLOCK-aligned prefix of
                                    that digest: state digest -> "<tokens>[:l]" (l: its last logits are kept)
     pstate-lru             zset    state key -> last use: the shared states' byte cap evicts the least recent
     pstate-sizes           hash    state key -> bytes;  pstate-bytes  string: their total
+    held:<digest>          string  the worker that holds a prefix state at least as long as the STATE_BLOCK-aligned
+                                   prefix of that digest (TTL HELD_TTL_S): the API prefers it for prompts on that
+                                   path (entry field "prefer")
+    handoff:<worker>       list    entries another worker read and handed to this one ("<stream> <entry id> <time>"):
+                                   already pending under its name (XCLAIM), taken before its own reads, put back
+                                   in their stream as new entries when not taken within ROUTE_WAIT_S
     istate:<file id>       hash    an initial state uploaded with POST /v1/files (purpose rwkv_state): tenant, data
                                    (the .pth bytes); workers load it when a request of that tenant names it
     api:<owner>            string  an API process's lease (TTL OWNER_TTL_S, refreshed every OWNER_REFRESH_S):
@@ -194,6 +200,30 @@ BATCH_LEASE_TTL_S = 6.0  # renewed every poll (0.2 s); a dead runner is found th
 BATCHES_ACTIVE = PREFIX + "batches:active"
 
 
+# Prefix-aware routing: a request whose prompt (at least ROUTE_MIN_TOKENS long) starts with a prefix a live worker
+# advertises holding carries that worker's name ("prefer"); the worker that reads it hands it over while it is fresh.
+ROUTE_MIN_TOKENS = 256
+ROUTE_WAIT_S = 0.5  # a handed-over entry its worker has not taken by then goes back to its stream
+HELD_TTL_S = 300
+ENTRY_PREFER = b"prefer"
+
+
+def held_key(block_digest: str) -> str:
+    return f"{PREFIX}held:{block_digest}"
+
+
+def handoff_key(worker_name: str) -> str:
+    return f"{PREFIX}handoff:{worker_name}"
+
+
+def preferred_worker(fields: dict) -> str:
+    """The worker an entry prefers ("" for none)."""
+    value = fields.get(ENTRY_PREFER) or fields.get(ENTRY_PREFER.decode())
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else ""
+
+
 STATE_BLOCK = 64  # shared states are indexed under the digest of their prefix rounded down to this many tokens
 STATE_LRU = PREFIX + "pstate-lru"
 STATE_SIZES = PREFIX + "pstate-sizes"
@@ -301,14 +331,18 @@ class QueuedRequest:
         # shallow: asdict() deep-copies the params and the token list only for orjson to read them (a hot path)
         return {ENTRY_FIELD: dumps({"v": SCHEMA_VERSION, **{f.name: getattr(self, f.name) for f in _QUEUED_FIELDS}})}
 
-    def enqueue(self, pipe) -> None:
+    def enqueue(self, pipe, prefer: str = "") -> None:
         """Queue on a redis pipeline (sync or asyncio; MULTI for all-or-nothing) what submits this request: its
-        tenant in the registry (workers read the streams listed there), its record with a TTL, its stream entry."""
+        tenant in the registry (workers read the streams listed there), its record with a TTL, its stream entry
+        (``prefer``: the worker that holds its prompt's prefix, see ROUTE_MIN_TOKENS)."""
         pipe.zadd(TENANTS, {self.tenant: self.created})
         key = request_key(self.id)
         pipe.hset(key, mapping=request_record(self))
         pipe.expire(key, REQUEST_RECORD_TTL_S)
-        pipe.xadd(self.stream_key, self.encode())
+        entry = self.encode()
+        if prefer:
+            entry[ENTRY_PREFER] = prefer.encode()
+        pipe.xadd(self.stream_key, entry)
 
     @classmethod
     def decode(cls, fields: dict) -> "QueuedRequest":

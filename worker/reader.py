@@ -45,6 +45,36 @@ end
 return {ids, counts, entries}
 """
 
+# KEYS: stream, the preferred worker's handoff list, its heartbeat key. ARGV: group, preferred worker, entry id, now.
+# An entry pending under the reader becomes the preferred worker's (if it is alive), delivered once, and is listed
+# for it to take. Returns 1 if handed over.
+HANDOFF_SCRIPT = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'RETRYCOUNT', 1, 'JUSTID')
+if #claimed == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], KEYS[1] .. ' ' .. ARGV[3] .. ' ' .. ARGV[4])
+redis.call('EXPIRE', KEYS[2], 3600)
+return 1
+"""
+
+# KEYS: stream. ARGV: group, consumer, entry id. An entry handed to this consumer that it did not take in time: if
+# still pending under it, added again at the stream's end without its preference, acknowledged and deleted, in one
+# step (it is in the stream exactly once at every moment). Returns 1 if put back.
+REQUEUE_SCRIPT = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #p == 0 then return 0 end
+local e = redis.call('XRANGE', KEYS[1], ARGV[3], ARGV[3])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+if #e == 0 then return 0 end
+local fields, out = e[1][2], {}
+for i = 1, #fields, 2 do
+  if fields[i] ~= 'prefer' then out[#out + 1] = fields[i]; out[#out + 1] = fields[i + 1] end
+end
+redis.call('XADD', KEYS[1], '*', unpack(out))
+return 1
+"""
+
 CANCELLED = "cancelled by the client"
 OWNER_GONE = "the API process that was serving this request went away"
 LAPSED_MEMORY_S = 600.0
@@ -76,6 +106,8 @@ class ReaderConfig:
     consumers_gc_interval_s: float = 60.0  # dead consumers holding nothing are deleted (names are unique)
     owners_interval_s: float = 1.0
     watch_interval_s: float = 0.5  # how soon an /events watcher starts receiving an async request's deltas
+    route_wait_s: float = c.ROUTE_WAIT_S  # entries handed to this worker and not taken by then are put back
+    handoff_check_s: float = 0.05
 
 
 @dataclass
@@ -139,6 +171,10 @@ class Reader:
         self._lock = threading.Lock()
         self._streams = _Streams()
         self._reclaim = client.register_script(RECLAIM_SCRIPT)
+        self._handoff = client.register_script(HANDOFF_SCRIPT)
+        self._requeue = client.register_script(REQUEUE_SCRIPT)
+        self._handoffs = c.handoff_key(name)
+        self._next_handoff_check = 0.0
         self._owner_missing: dict[str, float] = {}  # owner -> when its lease was first seen missing
         self._lapsed: dict[str, float] = {}  # owner -> when its lease was found lapsed
         self._aborted: set[str] = set()  # request ids already aborted for a lapsed owner
@@ -158,6 +194,7 @@ class Reader:
                 raise NameInUse(f"another live worker is named {self.name!r}; give each worker its own --name")
         if first is not None:
             raise NameInUse(f"the heartbeat of a worker named {self.name!r} did not expire")
+        self.redis.delete(self._handoffs)  # what a predecessor was handed is pending under the name: replayed
 
     def run(self, stop: threading.Event) -> None:
         beat, tenants = _Every(self.cfg.heartbeat_interval_s), _Every(self.cfg.tenants_interval_s)
@@ -266,6 +303,9 @@ class Reader:
 
     def _read_new(self, stop: threading.Event) -> None:
         want = self._want()
+        if want > 0 or time.monotonic() >= self._next_handoff_check:
+            self._next_handoff_check = time.monotonic() + self.cfg.handoff_check_s
+            want -= self._take_handoffs(want)
         if want <= 0 or not self._streams.all:
             stop.wait(0.005 if want <= 0 else self.cfg.read_block_ms / 1000)
             return
@@ -301,9 +341,66 @@ class Reader:
         n = 0
         for stream, entries in reply or []:
             stream = stream.decode() if isinstance(stream, bytes) else stream
-            self._deliver(stream, [(eid, f, 1) for eid, f in entries])
-            n += len(entries)
+            mine = self._hand_over(stream, entries)
+            self._deliver(stream, [(eid, f, 1) for eid, f in mine])
+            n += len(mine)
         return n
+
+    # -- prefix-aware routing: entries for the worker that holds their prefix -----------------------
+
+    def _hand_over(self, stream: str, entries: list) -> list:
+        """Fresh entries that prefer another live worker become its (HANDOFF_SCRIPT, one round trip for all);
+        the rest are ours."""
+        now_ms = time.time() * 1000
+        away = [(eid, prefer) for eid, fields in entries
+                if (prefer := c.preferred_worker(fields or {})) and prefer != self.name
+                and now_ms - _entry_ms(eid) < self.cfg.route_wait_s * 1000]
+        if not away:
+            return entries
+        pipe = self.redis.pipeline(transaction=False)
+        for eid, prefer in away:
+            self._handoff(keys=[stream, c.handoff_key(prefer), c.heartbeat_key(prefer)],
+                          args=[c.GROUP, prefer, eid, f"{time.time():.3f}"], client=pipe)
+        handed = {eid for (eid, prefer), done in zip(away, pipe.execute()) if done == 1}
+        if handed:
+            log.debug("entries handed to the workers that hold their prefixes",
+                      extra={"worker": self.name, "count": len(handed)})
+        return [(eid, fields) for eid, fields in entries if eid not in handed]
+
+    def _take_handoffs(self, want: int) -> int:
+        """Entries other workers handed to us: up to ``want`` taken (first in), and those we had no room for
+        within route_wait_s put back in their streams. How many were taken."""
+        pipe = self.redis.pipeline(transaction=False)
+        if want > 0:
+            pipe.lpop(self._handoffs, want)
+        pipe.lindex(self._handoffs, 0)
+        *popped, oldest = pipe.execute()
+        taken = self._deliver_handoffs([_handoff_item(i) for i in (popped[0] or [])] if popped else [])
+        stale_before = time.time() - self.cfg.route_wait_s
+        if oldest is not None and _handoff_item(oldest)[2] < stale_before:
+            queued = [_handoff_item(i) for i in self.redis.lrange(self._handoffs, 0, 999)]
+            stale = sum(1 for _, _, ts in queued if ts < stale_before)
+            items = [_handoff_item(i) for i in self.redis.lpop(self._handoffs, stale) or []]
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, eid, _ in items:
+                self._requeue(keys=[stream], args=[c.GROUP, self.name, eid], client=pipe)
+            put_back = sum(1 for r in pipe.execute() if r == 1)
+            log.info("handed-over entries put back in their streams (no room here in time)",
+                     extra={"worker": self.name, "count": put_back})
+        return taken
+
+    def _deliver_handoffs(self, items: list[tuple[str, bytes, float]]) -> int:
+        if not items:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, eid, _ in items:
+            pipe.xrange(stream, eid, eid)
+        by_stream: dict[str, list] = {}
+        for (stream, eid, _), found in zip(items, pipe.execute()):
+            by_stream.setdefault(stream, []).append((eid, found[0][1] if found else None, 1))
+        for stream, entries in by_stream.items():
+            self._deliver(stream, entries)
+        return len(items)
 
     def _deliver(self, stream: str, entries: list[tuple[bytes, dict | None, int]]) -> None:
         """Look up existing results and cancel marks in one round trip, then hand over."""
@@ -474,3 +571,13 @@ def _fields(raw) -> dict | None:
     if not raw:
         return None
     return {raw[i]: raw[i + 1] for i in range(0, len(raw), 2)}
+
+
+def _entry_ms(entry_id: bytes) -> int:
+    """When a stream entry was added (its id's milliseconds)."""
+    return int(entry_id.split(b"-", 1)[0])
+
+
+def _handoff_item(raw: bytes) -> tuple[str, bytes, float]:
+    stream, eid, ts = raw.decode().split(" ")
+    return stream, eid.encode(), float(ts)

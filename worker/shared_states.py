@@ -18,12 +18,10 @@ a Redis error or a state that does not check out means a prefill, never a wrong 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
 import time
-from array import array
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,10 +30,10 @@ import redis
 
 from engine.state_blob import StateBlob, StateBlobError, pack, unpack
 from worker import contract as c
+from worker.prefix_digests import PrefixDigests
 
 log = logging.getLogger(__name__)
 
-DIGEST_CHARS = 32  # hex characters of a prefix digest (128 bits of sha256)
 MAX_CANDIDATES = 4  # fetches tried per lookup before giving up (an evicted state leaves its index entry behind)
 ROUND_TRIP_S = 0.0005  # a fetch's fixed cost beside its bytes
 
@@ -98,36 +96,6 @@ class SharedStats:
     dropped: int = 0  # offers dropped: every staging row or the outbox busy
     evicted: int = 0
     errors: int = 0
-
-
-class PrefixDigests:
-    """Digests of a prompt's prefixes: sha256 of the token ids (uint32, little-endian), the hash state kept at
-    every block boundary, so each digest costs one block of hashing at most."""
-
-    def __init__(self, tokens: list[int]):
-        self._data = array("I", tokens)
-        if self._data.itemsize != 4:  # pragma: no cover - every platform torch runs on
-            raise RuntimeError("array('I') is not 32-bit here")
-        self._n = len(tokens)
-        h, self._at_block = hashlib.sha256(), []
-        for k in range(self._n // c.STATE_BLOCK + 1):
-            self._at_block.append(h.copy())
-            h.update(self._data[k * c.STATE_BLOCK:(k + 1) * c.STATE_BLOCK].tobytes())
-
-    def block(self, k: int) -> str:
-        """The digest of the first ``k * STATE_BLOCK`` tokens."""
-        return self._at_block[k].hexdigest()[:DIGEST_CHARS]
-
-    def at(self, n: int) -> str:
-        """The digest of the first ``n`` tokens."""
-        k = n // c.STATE_BLOCK
-        h = self._at_block[k].copy()
-        h.update(self._data[k * c.STATE_BLOCK:n].tobytes())
-        return h.hexdigest()[:DIGEST_CHARS]
-
-
-def prefix_digest(tokens: list[int]) -> str:
-    return PrefixDigests(tokens).at(len(tokens))
 
 
 class SharedStates:

@@ -27,6 +27,7 @@ from engine.sequence import Request
 from worker import contract as c
 from worker.loop_stats import LoopStats
 from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
+from worker.prefix_digests import PrefixDigests
 from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
 from worker.results import InFlight
@@ -97,6 +98,8 @@ class Worker:
         # compilation): each goes on once its future is done
         self.preparing: dict[str, Preparing] = {}
         self.shared = self._make_shared_states()
+        if getattr(engine, "prefix_cache", None) is not None:
+            engine.prefix_cache.on_added = self._advertise
         self._background = ThreadPoolExecutor(1, thread_name_prefix="gaggle-worker-io")  # rare reads: state files
         self.started = time.time()
         self.draining = False
@@ -359,6 +362,12 @@ class Worker:
         return SharedStates.for_engine(self.engine, SharedStatesConfig(
             self.cfg.shared_states_redis_url or self.cfg.redis_url, cap, self.cfg.shared_states_ttl_s,
             self.cfg.shared_states_min_tokens))
+
+    def _advertise(self, prefix: list[int], state: str | None) -> None:
+        """Tell the API this worker holds a state of ``prefix`` (it routes prompts on that path here)."""
+        if state is None and len(prefix) >= c.ROUTE_MIN_TOKENS:
+            digest = PrefixDigests(prefix).block(len(prefix) // c.STATE_BLOCK)
+            self.writer.submit([Command("SET", c.held_key(digest), self.cfg.name, "EX", c.HELD_TTL_S)])
 
     def _fetch_shared_prefix(self, request: Request) -> Future | None:
         if self.shared is None or request.params.prompt_logprobs is not None:
