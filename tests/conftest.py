@@ -44,7 +44,8 @@ def tiny_weights(tiny_model_path):
 def make_engine(weights, **overrides):
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
-    cfg = dict(device="cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    # a small prefix-cache slab: every engine's is committed memory, and the session's forks need room
+    cfg = dict(device="cpu", max_num_seqs=8, max_num_batched_tokens=64, prefix_cache_gib=0.25)
     cfg.update(overrides)
     return LLMEngine(EngineConfig(**cfg), weights=weights)
 

@@ -29,11 +29,24 @@ def test_prefix_digests_are_the_digests_of_the_prefixes():
     assert d.block(2) == d.at(2 * c.STATE_BLOCK)
 
 
+ATTACHED: list[SharedStates] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_shared_states():
+    """Each test's shared tiers closed after it (a live writer thread would keep its engine, and the engine's
+    checkpoint slab, alive for the rest of the session)."""
+    yield
+    while ATTACHED:
+        ATTACHED.pop().close()
+
+
 def attach(engine, redis_url: str, cap: int = 1 << 30, rate: float = 0.0, min_tokens: int = 32) -> SharedStates:
     """The shared tier wired to an engine as a worker wires it; ``rate``: the prefill rate it assumes (0: unknown,
     so a state found is fetched)."""
     shared = SharedStates.for_engine(engine, SharedStatesConfig(redis_url, cap, ttl_s=600, min_tokens=min_tokens))
     shared.prefill_tokens_per_s = lambda: rate
+    ATTACHED.append(shared)
     return shared
 
 

@@ -118,8 +118,11 @@ def exported_metrics() -> set[str]:
     cache = PrefixCache(100, 0, min_tokens=1)
     cache.add([1, 2, 3], 10, True, lambda: "state")
     cache.plan([1, 2, 3, 4])
-    worker.attach_prefix_cache(cache)
+    from worker.shared_states import SharedStates, SharedStatesConfig
+    shared = SharedStates(SharedStatesConfig("redis://127.0.0.1:1/0", 1 << 20), {}, 1, lambda: 0.0)  # no I/O
+    worker.attach_prefix_cache(cache, shared)
     text += generate_latest(worker.registry).decode()
+    shared.close()
     assert 'gaggle_worker_prefix_cache_hits_total{worker="w"} 1.0' in text
     assert 'gaggle_worker_prefix_cache_bytes{tier="device",worker="w"} 10.0' in text
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}

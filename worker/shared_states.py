@@ -298,5 +298,6 @@ class SharedStates:
         self._fetchers.shutdown(wait=False, cancel_futures=True)
         try:
             self._outbox.put(None, timeout=1.0)
+            self._writer.join(timeout=2.0)
         except queue.Full:  # the thread is a daemon: it ends with the process
             pass
