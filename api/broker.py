@@ -207,6 +207,11 @@ class Broker:
 
     # -- cluster state ---------------------------------------------------------------------
 
+    async def restarts(self) -> dict[str, int]:
+        """How often ``gaggle up`` restarted each of its children."""
+        raw = await self.redis.hgetall(c.RESTARTS)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
     async def live_workers(self) -> list[c.Heartbeat]:
         """Fresh heartbeats (cached for worker_cache_s; an empty list is not cached: a starting service is ready
         as soon as its first worker's heartbeat lands)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -95,6 +95,11 @@ class ClusterCollector:
             for state in ("total", "completed", "failed"):
                 progress.add_metric([b["id"], state], b[state])
         yield progress
+        restarts = CounterMetricFamily("gaggle_child_restarts", "Times `gaggle up` restarted a child process",
+                                       labels=["child"])
+        for child, count in self.snapshot.get("restarts", {}).items():
+            restarts.add_metric([child], count)
+        yield restarts
 
 
 class MetricsMiddleware:

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    from worker.lifeline import watch_lifeline
+    watch_lifeline()  # a child of `gaggle up`: stop once it is gone
     return args.func(args)
 
 

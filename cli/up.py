@@ -3,12 +3,16 @@
 embedded redis-server (unless --redis-url) → one worker per visible GPU (or one CPU
 worker) → the API. Children run in their own sessions so a terminal Ctrl-C reaches
 only the supervisor, which stops them in order: API, then workers (they drain),
-then Redis. A child that dies is restarted with exponential backoff.
+then Redis. A child that dies (Redis too, with its data) is restarted with exponential
+backoff; one that keeps dying stops the service with a non-zero exit. No child outlives
+the supervisor, however it ends (``worker.lifeline``), and one data dir serves one
+``gaggle up`` at a time (a lock file).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -24,10 +28,15 @@ from pathlib import Path
 
 from cli.status import StatusLine
 from engine.args import DEFAULT_DATA_DIR, ensure_demo_model
+from worker import contract as c
+from worker.lifeline import Lifeline, die_with_parent
 
 log = logging.getLogger("gaggle.up")
 
 BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
+CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S = 5, 120.0  # this many restarts of one child within the window: give up
+EXIT_CRASH_LOOP = 4
+LOCK_FILE = "gaggle-up.lock"
 
 
 @dataclass
@@ -41,13 +50,27 @@ class Child:
     restarts: int = 0
     log_path: Path | None = None
     env: dict = field(default_factory=dict)
+    lifeline: Lifeline | None = None
+    recent_restarts: list[float] = field(default_factory=list)
 
     def start(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else None
-        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, start_new_session=True,
-                                     stdout=out or None, stderr=subprocess.STDOUT if out else None)
+        env, fds = {**os.environ, **self.env}, ()
+        if self.lifeline is not None:
+            env.update(self.lifeline.child_env())
+            fds = (self.lifeline.read_fd,)
+        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, pass_fds=fds,
+                                     preexec_fn=die_with_parent, stdout=out or None,
+                                     stderr=subprocess.STDOUT if out else None)
+        if out is not None:
+            out.close()  # the child has its own copy
         self.started = time.monotonic()
         log.info("started", extra={"child": self.name, "pid": self.proc.pid})
+
+    def crash_looping(self, now: float) -> bool:
+        """Restarted CRASH_LOOP_RESTARTS times within CRASH_LOOP_WINDOW_S (counting this restart)."""
+        self.recent_restarts = [t for t in self.recent_restarts if now - t < CRASH_LOOP_WINDOW_S] + [now]
+        return len(self.recent_restarts) > CRASH_LOOP_RESTARTS
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -128,6 +151,9 @@ class Supervisor:
         self.redis_url = args.redis_url
         self.children: list[Child] = []
         self.stopping = False
+        self.exit_code = 0
+        self.lifeline: Lifeline | None = None  # run(): every child's
+        self._redis_child = Child(name="redis", cmd=[])  # the embedded Redis's restart bookkeeping
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "cli.main", "--log-level", "INFO",
@@ -141,26 +167,30 @@ class Supervisor:
             cmd = self._python("worker", "--redis-url", self.redis_url, "--model", self.model, "--device", device,
                                "--name", name, "--data-dir", str(self.data_dir), "--drain-timeout", str(self.args.drain_timeout),
                                *self.args.worker_args)
-            self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log"))
+            self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log",
+                                       lifeline=self.lifeline))
         files = str(self.data_dir / "files")  # the Batch API's file store, shared by the API and the batch worker
         model_name = self.args.model_name or Path(self.model).stem
         # the API's served name and limits: batch lines are checked and answered as the API would
         batch = self._python("batch-worker", "--redis-url", self.redis_url, "--files-dir", files,
                              "--model-name", model_name, *limit_args(self.args.api_args))
-        self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log"))
+        self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log",
+                                   lifeline=self.lifeline))
         api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
                            str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
                            "--model-name", model_name, "--files-dir", files,
                            "--shutdown-timeout", str(self.args.drain_timeout), *self.args.api_args)
-        self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log"))
+        self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log", lifeline=self.lifeline))
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a stop, a closed terminal
             signal.signal(sig, self._on_signal)
+        self.lifeline = Lifeline()
         if not self.redis_url:
             from worker.redis_server import RedisServer
             print(f"gaggle: starting the embedded Redis (data in {self.data_dir / 'redis'})", file=sys.stderr)
-            self.redis = RedisServer(self.data_dir / "redis", port=self.args.redis_port).start()
+            self.redis = RedisServer(self.data_dir / "redis", port=self.args.redis_port,
+                                     preexec_fn=die_with_parent).start()
             self.redis_url = self.redis.url
             log.info("embedded redis started", extra={"url": self.redis_url, "aof": str(self.data_dir / 'redis')})
         self.build()
@@ -178,7 +208,7 @@ class Supervisor:
                 time.sleep(0.2)
         finally:
             self.shutdown()
-        return 0
+        return self.exit_code
 
     def _on_signal(self, signum, _frame) -> None:
         if self.stopping:
@@ -188,6 +218,7 @@ class Supervisor:
 
     def _restart_crashed(self) -> None:
         now = time.monotonic()
+        self._restart_redis(now)
         for child in self.children:
             if child.alive():
                 if now - child.started > HEALTHY_AFTER_S:
@@ -201,10 +232,57 @@ class Supervisor:
                 print(f"gaggle: {child.name} exited ({code}); restarting in {child.backoff_s:.0f} s "
                       f"(log: {child.log_path})", file=sys.stderr)
             elif now >= child.restart_at:
+                if self._gave_up(child, now):
+                    return
                 child.restart_at = 0.0
                 child.restarts += 1
                 child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
                 child.start()
+                self._count_restart(child)
+
+    def _gave_up(self, child: Child, now: float) -> bool:
+        """A child that keeps dying stops the service: restarting it again would hide what is wrong."""
+        if not child.crash_looping(now):
+            return False
+        print(f"gaggle: {child.name} keeps exiting ({CRASH_LOOP_RESTARTS} restarts in {CRASH_LOOP_WINDOW_S:.0f} s); "
+              f"stopping everything. Its log: {child.log_path or self.data_dir / 'redis' / 'redis.log'}",
+              file=sys.stderr, flush=True)
+        log.error("crash loop; stopping", extra={"child": child.name, "restarts": child.restarts})
+        self.exit_code = EXIT_CRASH_LOOP
+        self.stopping = True
+        return True
+
+    def _count_restart(self, child: Child) -> None:
+        """In Redis, for the API's /metrics (gaggle_child_restarts_total)."""
+        try:
+            import redis
+            redis.Redis.from_url(self.redis_url, socket_timeout=2).hincrby(c.RESTARTS, child.name, 1)
+        except Exception as e:  # Redis may be the one restarting
+            log.warning("could not count a restart", extra={"child": child.name, "error": str(e)})
+
+    def _restart_redis(self, now: float) -> None:
+        """The embedded Redis, restarted on its port from its append-only file when it dies."""
+        server, child = self.redis, self._redis_child
+        if server is None or server.proc is None or server.proc.poll() is None or self.stopping:
+            return
+        if child.restart_at == 0.0:
+            child.restart_at = now + child.backoff_s
+            log.error("embedded redis exited; restarting with backoff", extra={
+                "exit_code": server.proc.returncode, "backoff_s": child.backoff_s})
+            print(f"gaggle: the embedded Redis exited ({server.proc.returncode}); restarting in "
+                  f"{child.backoff_s:.0f} s (log: {server.data_dir / 'redis.log'})", file=sys.stderr, flush=True)
+            return
+        if now < child.restart_at or self._gave_up(child, now):
+            return
+        child.restart_at, child.restarts = 0.0, child.restarts + 1
+        child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+        try:
+            server.start(timeout_s=600.0)  # loading a large append-only file takes a while
+            child.started = time.monotonic()
+            self._count_restart(child)
+            print("gaggle: the embedded Redis is back", file=sys.stderr, flush=True)
+        except RuntimeError as e:
+            log.error("embedded redis did not start", extra={"error": str(e)})
 
     def _url(self) -> str:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
@@ -274,7 +352,9 @@ Ctrl-C stops everything (workers finish their running requests first).
                     child.signal(signal.SIGKILL)
                     child.wait(5.0)
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.stop()  # SIGTERM: Redis writes its append-only file out, then exits
+        if self.lifeline is not None:
+            self.lifeline.close()
         print("gaggle: stopped", file=sys.stderr)
 
 
@@ -302,7 +382,31 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="extra flag passed to the API, e.g. --api-arg=--api-keys-file=keys.txt")
 
 
+def hold_data_dir(data_dir: Path):
+    """The data dir's lock (an open file, locked while this process lives: the kernel drops the lock however
+    the process ends, so a stale file never blocks), or None with a message when a live ``gaggle up`` holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    f = open(data_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "?"
+        f.close()
+        print(f"gaggle: another gaggle up (pid {owner}) is using {data_dir}: stop it first (Ctrl-C in its terminal, "
+              f"or kill -TERM {owner}), or give this one its own --data-dir", file=sys.stderr)
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    lock = hold_data_dir(Path(args.data_dir).resolve())
+    if lock is None:
+        return 2
     model = args.model or str(ensure_demo_model(Path(args.data_dir)))
     if args.model and not Path(args.model).exists():
         print(f"gaggle: model not found: {args.model}", file=sys.stderr)

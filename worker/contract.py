@@ -43,6 +43,7 @@ Key space (all under ``gaggle:``):
     handoff:<worker>       list    entries another worker read and handed to this one ("<stream> <entry id> <time>"):
                                    already pending under its name (XCLAIM), taken before its own reads, put back
                                    in their stream as new entries when not taken within ROUTE_WAIT_S
+    restarts               hash    child of `gaggle up` -> times its supervisor restarted it (API /metrics)
     istate:<file id>       hash    an initial state uploaded with POST /v1/files (purpose rwkv_state): tenant, data
                                    (the .pth bytes); workers load it when a request of that tenant names it
     api:<owner>            string  an API process's lease (TTL OWNER_TTL_S, refreshed every OWNER_REFRESH_S):
@@ -245,6 +246,9 @@ def response_key(response_id: str) -> str:
 
 def file_key(file_id: str) -> str:
     return f"{PREFIX}file:{file_id}"
+
+
+RESTARTS = PREFIX + "restarts"
 
 
 UPLOADED_STATE_PREFIX = "file-"  # a request's "state" naming an uploaded state file (its file id), not a --state

@@ -43,10 +43,13 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server child process on 127.0.0.1 with AOF persistence in ``data_dir``."""
 
-    def __init__(self, data_dir: str | Path, port: int | None = None, appendonly: bool = True):
+    def __init__(self, data_dir: str | Path, port: int | None = None, appendonly: bool = True,
+                 preexec_fn=None):
+        """``preexec_fn``: run in the child before exec (``gaggle up``: its parent-death signal)."""
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -62,7 +65,8 @@ class RedisServer:
                 "--client-output-buffer-limit", "pubsub", "512mb", "128mb", "60", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
         # a session of its own: a terminal's Ctrl-C reaches whoever started it, who stops it last (after the
         # workers wrote their results), not Redis first
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=self.preexec_fn)
         self._wait_ready(timeout_s)
         return self
 

@@ -42,7 +42,10 @@ return 0
 
 
 def run_batch(batch_id: str) -> str:
-    """The RQ job: run (or resume) a batch; its status when this runner stops."""
+    """The RQ job: run (or resume) a batch; its status when this runner stops. It runs in RQ's forked work horse,
+    which stops with its batch worker (it resumes from the files), never runs on alone."""
+    from worker.lifeline import die_with_parent
+    die_with_parent()
     settings = Settings()
     return BatchRunner(batch_id, settings, DirectoryStore(settings.files_dir), tokenizer=shared_tokenizer()).run()
 

@@ -22,6 +22,7 @@ from worker import contract as c
 log = logging.getLogger(__name__)
 
 JANITOR_INTERVAL_S = 2.0
+EXIT_REDIS_GONE = 5  # the batch worker lost Redis (documented in the README): a supervisor restarts it
 
 
 class Janitor:
@@ -86,6 +87,10 @@ def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
     try:
         Worker([queue], connection=client, name=name).work(burst=burst, with_scheduler=False,
                                                             logging_level=logging.getLogger().level or "INFO")
+    except redis.ConnectionError as e:  # Redis went away (stopping, or between restarts): nothing is lost
+        log.error("batch worker stopped: redis unavailable; a running batch resumes from its files",
+                  extra={"error": str(e)})
+        return EXIT_REDIS_GONE
     finally:
         stop.set()
     return 0

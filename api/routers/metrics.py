@@ -23,7 +23,7 @@ async def metrics(request: Request) -> Response:
     cluster: dict = {}
     try:
         cluster = {"queues": await broker.queue_depth(), "workers": await broker.live_workers(),
-                   "batches": await broker.active_batches()}
+                   "batches": await broker.active_batches(), "restarts": await broker.restarts()}
     except (RedisError, OSError) as e:
         log.warning("metrics without the cluster view: redis unavailable", extra={"error": str(e)})
     return Response(app_metrics.exposition(cluster), media_type=CONTENT_TYPE_LATEST)
