@@ -429,11 +429,12 @@ def test_a_killed_pubsub_connection_is_replaced_and_nothing_is_lost(client, stac
     wait_idle_worker(stack)
     [victim] = [cl["id"] for cl in stack.r.client_list() if cl["name"] == "gaggle-api-pubsub"]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=120,
+        # long enough to be running when a heartbeat (every 0.5 s) is read: 120 tokens could come and go between two
+        pending = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=1500,
                               extra_body={"ignore_eos": True})
         wait_for(lambda: (hb := heartbeat(stack.r, WORKER)) and hb.running == 1, 30, 0.05, "the request running")
         stack.r.client_kill_filter(_id=victim)
-        assert pending.result(timeout=60).usage.completion_tokens == 120  # its final message may be lost: polled
+        assert pending.result(timeout=60).usage.completion_tokens == 1500  # its final message may be lost: polled
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True))
     assert sum(len(ch.choices[0].text) > 0 for ch in chunks) >= 1
     [replacement] = [cl["id"] for cl in stack.r.client_list() if cl["name"] == "gaggle-api-pubsub"]
