@@ -33,15 +33,16 @@ def ask(port: int, i: int, outcomes: list, max_tokens: int = 60) -> None:
         outcomes.append((i, None, repr(e)))
 
 
-def worker_pid(up: subprocess.Popen) -> int:
+def child_pid(up: subprocess.Popen, marker: bytes) -> int:
+    """The process under ``up`` whose command line holds ``marker``."""
     for pid in descendants(up.pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"\0worker\0" in f.read():
+                if marker in f.read():
                     return pid
         except OSError:
             pass
-    raise AssertionError("no worker process under gaggle up")
+    raise AssertionError(f"no {marker!r} process under gaggle up")
 
 
 def test_one_up_per_data_dir_restarts_a_killed_worker_and_a_killed_supervisor_leaves_nothing(tmp_path):
@@ -61,7 +62,7 @@ def test_one_up_per_data_dir_restarts_a_killed_worker_and_a_killed_supervisor_le
             t.start()
         time.sleep(1.0)
         assert not outcomes  # under way
-        os.kill(worker_pid(up), signal.SIGKILL)
+        os.kill(child_pid(up, b"\0worker\0"), signal.SIGKILL)
         for t in threads:
             t.join(timeout=150)
         assert sorted(o[0] for o in outcomes) == [0, 1, 2, 3]
@@ -70,6 +71,19 @@ def test_one_up_per_data_dir_restarts_a_killed_worker_and_a_killed_supervisor_le
                     if m.startswith("gaggle_child_restarts_total{")]
         assert len(restarts) == 1 and restarts[0].startswith('gaggle_child_restarts_total{child="worker ') and \
             restarts[0].endswith(" 1.0"), restarts
+        # the embedded Redis SIGKILLed: restarted from its append-only file, the service serves again
+        os.kill(child_pid(up, b"redis-server"), signal.SIGKILL)
+        time.sleep(1.0)
+        deadline, served = time.monotonic() + 60, []
+        while not served and time.monotonic() < deadline:
+            attempt: list = []
+            ask(port, 50, attempt, 4)
+            served = [o for o in attempt if o[1] == 200]
+            time.sleep(0.5)
+        assert served, attempt
+        restarts = [m for m in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines()
+                    if m.startswith('gaggle_child_restarts_total{child="redis"}')]
+        assert restarts == ['gaggle_child_restarts_total{child="redis"} 1.0'], restarts
         # SIGKILL of the supervisor with streams in flight: within 10 s, no process of the tree is left
         finished = {o[2]["id"] for o in outcomes}
         more: list = []

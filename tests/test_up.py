@@ -203,3 +203,12 @@ def test_without_the_driver_torch_counts(tmp_path):
 
     from cli.up import cuda_device_count
     assert cuda_device_count(tmp_path / "absent") == torch.cuda.device_count()
+
+
+def test_a_child_restarted_five_times_in_two_minutes_is_a_crash_loop():
+    from cli.up import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S, Child
+    child = Child(name="api", cmd=[])
+    assert not any(child.crash_looping(float(t)) for t in range(CRASH_LOOP_RESTARTS))
+    assert child.crash_looping(float(CRASH_LOOP_RESTARTS))
+    spaced = Child(name="worker", cmd=[])  # restarts spread wider than the window are not a loop
+    assert not any(spaced.crash_looping(t * CRASH_LOOP_WINDOW_S / 2) for t in range(3 * CRASH_LOOP_RESTARTS))
