@@ -44,12 +44,14 @@ class RedisServer:
     """A redis-server child process on 127.0.0.1 with AOF persistence in ``data_dir``."""
 
     def __init__(self, data_dir: str | Path, port: int | None = None, appendonly: bool = True,
-                 preexec_fn=None):
-        """``preexec_fn``: run in the child before exec (``gaggle up``: its parent-death signal)."""
+                 preexec_fn=None, extra_args: tuple[str, ...] = ()):
+        """``preexec_fn``: run in the child before exec (``gaggle up``: its parent-death signal); ``extra_args``:
+        more redis-server options (tests)."""
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.appendonly = appendonly
         self.preexec_fn = preexec_fn
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -62,7 +64,8 @@ class RedisServer:
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
                 "--protected-mode", "yes",
                 # a busy API subscriber may lag a burst of deltas: don't drop it at the 8 MB default
-                "--client-output-buffer-limit", "pubsub", "512mb", "128mb", "60", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
+                "--client-output-buffer-limit", "pubsub", "512mb", "128mb", "60", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
+                *self.extra_args]
         # a session of its own: a terminal's Ctrl-C reaches whoever started it, who stops it last (after the
         # workers wrote their results), not Redis first
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

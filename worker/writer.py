@@ -280,6 +280,14 @@ class Writer:
                         return commands
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+            except NotReady as e:  # nothing of what it refused ran: the same again once Redis is ready
+                log.warning("redis is not ready; retrying the write", extra={"worker": self.name, "error": str(e)})
+                if e.deltas_ran:  # some deltas ran (it became ready in between): deltas are at most once
+                    blob, num_plain = blob[enc.tx_start:], 0
+                    if not blob:
+                        return commands
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
             except redis.RedisError:
                 log.exception("redis write rejected; dropping this batch", extra={"worker": self.name})
                 return commands
@@ -294,7 +302,11 @@ class Writer:
             self.conn.connect()
         self.conn.send(blob)
         replies = self.conn.read(num_plain + (num_tx + 2 if num_tx else 0))  # +OK, +QUEUED each, EXEC's
-        failed = [r for r in replies[:num_plain] if isinstance(r, hiredis.ReplyError)]
+        deltas, tx = replies[:num_plain], replies[num_plain:]
+        not_ready = [r for r in replies if _not_ready(r)]
+        if not_ready and (not tx or not isinstance(tx[-1], list)):  # the transaction did not run (or none)
+            raise NotReady(str(not_ready[0]), deltas_ran=any(not _not_ready(r) for r in deltas))
+        failed = [r for r in deltas if isinstance(r, hiredis.ReplyError)]
         if failed:
             log.error("redis rejected deltas", extra={"worker": self.name, "count": len(failed), "error": str(failed[0])})
         if not num_tx:
@@ -307,3 +319,20 @@ class Writer:
             errors += [r for r in results if isinstance(r, hiredis.ReplyError)]
         if errors:
             raise redis.ResponseError(str(errors[0]))
+
+
+# Error replies of a Redis that cannot serve yet (loading its data, a script running, a failover): nothing of the
+# command ran, and it will once Redis is ready.
+NOT_READY = ("LOADING", "BUSY", "TRYAGAIN", "MASTERDOWN")
+
+
+class NotReady(redis.ResponseError):
+    """Redis refused a write because it is not ready (NOT_READY); ``deltas_ran``: some plain commands ran."""
+
+    def __init__(self, message: str, deltas_ran: bool):
+        super().__init__(message)
+        self.deltas_ran = deltas_ran
+
+
+def _not_ready(reply) -> bool:
+    return isinstance(reply, hiredis.ReplyError) and str(reply).split(" ", 1)[0] in NOT_READY

@@ -1,0 +1,61 @@
+"""Results that finish while a restarted Redis loads its data: the worker's writes are refused with LOADING, and
+retried until Redis serves; every result arrives, equal to a same-seed run, and nothing stays pending."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from engine.params import SamplingParams
+from engine.sequence import Request
+from tests.conftest import make_engine
+from tests.queue_helpers import pending_count, start_worker, submit, wait_results, wait_running
+from tests.test_engine import generated, run_all, tokens
+from worker.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+SLOW_LOAD = ("--key-load-delay", "150")  # microseconds a key while loading (a Redis test setting)
+
+
+def test_results_finished_while_redis_loads_are_all_delivered(tmp_path, tiny_model_path, tiny_weights):
+    server = RedisServer(tmp_path / "redis", extra_args=SLOW_LOAD).start()
+    r = redis.Redis.from_url(server.url)
+    pipe = r.pipeline(transaction=False)
+    for i in range(20_000):  # ~3 s of loading after a restart
+        pipe.set(f"ballast:{i}", "x" * 16)
+    pipe.execute()
+    r.bgrewriteaof()
+    while r.info("persistence")["aof_rewrite_in_progress"]:
+        time.sleep(0.05)
+    worker = start_worker(server.url, str(tiny_model_path), "loading-w", "--max-num-seqs", "16")
+    rids = [f"l{i}" for i in range(12)]
+    prompts = [tokens(12, seed=700 + i) for i in range(12)]
+    for rid, prompt, seed in zip(rids, prompts, range(12)):
+        submit(r, rid, prompt, max_tokens=100, temperature=1.0, seed=seed, ignore_eos=True)
+    assert wait_running(r, rids)
+    server.stop()
+    deadline = time.monotonic() + 120  # every request finishes while Redis is down: its writes wait
+    while open(worker.log_path).read().count('"sequence finished"') < len(rids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server = RedisServer(tmp_path / "redis", port=server.port, extra_args=SLOW_LOAD)
+    server.start(timeout_s=60)  # returns once loaded: the writes came while it loaded
+    r = redis.Redis.from_url(server.url)
+    try:
+        got = wait_results(r, rids, timeout_s=120)
+        cold = make_engine(tiny_weights, prefix_cache_gib=0)
+        for rid, prompt, seed in zip(rids, prompts, range(12)):
+            cold.add(Request(rid, prompt, SamplingParams(max_tokens=100, temperature=1.0, seed=seed,
+                                                         ignore_eos=True)))
+        expected = run_all(cold)
+        for rid in rids:
+            assert got[rid].choices[0].token_ids == generated(expected, rid), rid
+        deadline = time.monotonic() + 20
+        while pending_count(r) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pending_count(r) == 0
+        assert "redis is not ready; retrying the write" in open(worker.log_path).read()
+    finally:
+        worker.kill()
+        server.stop()
