@@ -341,7 +341,11 @@ def test_coalesced_steps_publish_one_merged_delta_per_request(r, redis_url):
     w = Worker(None, WorkerConfig(redis_url=redis_url, name="merge"))
     m = c.QueuedRequest(id="m", prompt_token_ids=[1], params={"logprobs": 0}, n=2, stream=True, record_text=True)
     one = c.QueuedRequest(id="one", prompt_token_ids=[1], params={}, stream=True)
-    flights = {req.id: InFlight(req, m.stream_key, b"1-0") for req in (m, one)}
+    r.xgroup_create(m.stream_key, c.GROUP, id="0", mkstream=True)  # the entries pending under this worker's name:
+    for req in (m, one):                                              # a final is written only for those
+        r.xadd(m.stream_key, req.encode())
+    read = r.xreadgroup(c.GROUP, "merge", {m.stream_key: ">"})[0][1]
+    flights = {req.id: InFlight(req, m.stream_key, eid) for req, (eid, _) in zip((m, one), read)}
     flights["m"].watched = True  # an async request publishes deltas only while an /events stream watches it
     start = [op for req in (m, one) for op in (Start(flights[req.id]),
                                                 Publish(c.out_channel(req.id), c.status_message(req.id, "running")))]

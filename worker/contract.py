@@ -637,8 +637,9 @@ class Heartbeat:
         return dumps({"v": SCHEMA_VERSION, **asdict(self)})
 
     def publish(self, pipe) -> None:
-        """Queue the heartbeat's commands on a redis pipeline: the key with its TTL, and the registry entry."""
-        pipe.set(heartbeat_key(self.name), self.encode(), px=int(HEARTBEAT_TTL_S * 1000))
+        """Queue the heartbeat's commands on a redis pipeline: the key with its TTL (the first reply: the value it
+        replaced, None where the last beat had expired), and the registry entry."""
+        pipe.set(heartbeat_key(self.name), self.encode(), px=int(HEARTBEAT_TTL_S * 1000), get=True)
         pipe.zadd(WORKER_REGISTRY, {self.name: self.ts})
         pipe.zremrangebyscore(WORKER_REGISTRY, "-inf", self.ts - WORKER_REGISTRY_RETENTION_S)
 

@@ -49,6 +49,16 @@ class AckDelete:
     entry_id: bytes
 
 
+@dataclass(slots=True)
+class FinishIfOwned:
+    """A request's final commands, run (then its entry acknowledged and deleted) only if its stream entry is still
+    pending under this worker: a worker whose heartbeat lapsed (paused, Redis restarted) and whose entry another
+    worker took over writes nothing (FINISH_IF_OWNED in worker.writer)."""
+    stream: str
+    entry_id: bytes
+    commands: list[tuple]
+
+
 class Command:
     """Any other command, verbatim, inside the transaction (a PUBLISH here follows the SET before it)."""
     __slots__ = ("args",)
@@ -60,4 +70,4 @@ class Command:
         return f"Command{self.args!r}"
 
 
-Op = Union[Start, Outputs, End, Publish, AckDelete, Command]
+Op = Union[Start, Outputs, End, Publish, AckDelete, FinishIfOwned, Command]

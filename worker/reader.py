@@ -10,7 +10,8 @@ One loop, on its own Redis connection:
 - audits: re-delivers entries still pending under this worker's own name that it no longer holds (their
   acknowledgement was lost, e.g. to a Redis restart);
 - watches: which async requests an /events stream watches; whose API process (owner) went away.
-Handed over through queues: ``inbox`` (entries), ``aborts`` ((request id, reason)).
+Handed over through queues: ``inbox`` (entries), ``aborts`` ((request id, reason)), ``lost`` (entries other workers
+took over while this one's heartbeat had lapsed).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class Reader:
         self.flights = flights  # the running requests (InFlight), as a list copy
         self.inbox: queue.Queue[Incoming] = queue.Queue()
         self.aborts: queue.Queue[tuple[str, str]] = queue.Queue()
+        self.lost: queue.Queue[bytes] = queue.Queue()  # entries other workers took over while our beat had lapsed
+        self._beaten = False
         # what the main loop can take: (free capacity, entries it had taken when it counted it), one tuple
         # so the reader reads a consistent pair; entries delivered since then are on their way (inbox or
         # being added), counted against that capacity. (free capacity − inbox size raced: an entry taken
@@ -509,7 +512,30 @@ class Reader:
     def _beat(self) -> None:
         pipe = self.redis.pipeline(transaction=False)
         self.heartbeat().publish(pipe)
-        pipe.execute()
+        previous = pipe.execute()[0]
+        if previous is None and self._beaten:
+            self._find_lost_entries()
+        self._beaten = True
+
+    def _find_lost_entries(self) -> None:
+        """Our heartbeat had expired (this process was paused, or Redis restarted without it): other workers may
+        have taken entries we hold. Those no longer pending under our name are theirs now: handed to the loop
+        (``lost``), which drops their requests without writing anything (the finals are fenced anyway)."""
+        with self._lock:
+            owned = dict(self._owned)
+        ours: set[bytes] = set()
+        for stream in set(owned.values()):
+            pending = self.redis.xpending_range(stream, c.GROUP, min="-", max="+", count=100_000,
+                                                consumername=self.name)
+            ours |= {p["message_id"] for p in pending}
+        lost = [eid for eid in owned if eid not in ours]
+        log.warning("heartbeat had lapsed; entries taken over by other workers are dropped here",
+                    extra={"worker": self.name, "held": len(owned), "lost": len(lost)})
+        with self._lock:
+            for eid in lost:
+                self._owned.pop(eid, None)
+        for eid in lost:
+            self.lost.put(eid)
 
     def _poll_watches(self) -> None:
         """Which running async requests an /events stream watches (their deltas are published only then)."""

@@ -26,7 +26,7 @@ from engine.phases import PhaseClock
 from engine.sequence import Request
 from worker import contract as c
 from worker.loop_stats import LoopStats
-from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
+from worker.ops import AckDelete, Command, End, FinishIfOwned, Op, Outputs, Publish, Start
 from worker.prefix_digests import PrefixDigests
 from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
@@ -97,6 +97,7 @@ class Worker:
         # requests waiting for something done off the loop (a shared prefix state's fetch, a grammar's
         # compilation): each goes on once its future is done
         self.preparing: dict[str, Preparing] = {}
+        self._lost_entries: set[bytes] = set()  # entries other workers took over (reader.lost)
         self.shared = self._make_shared_states()
         if getattr(engine, "prefix_cache", None) is not None:
             engine.prefix_cache.on_added = self._advertise
@@ -223,6 +224,8 @@ class Worker:
     # -- input ---------------------------------------------------------------------
 
     def _take_incoming(self) -> None:
+        if not self.reader.lost.empty():
+            self._drop_lost()
         if self.preparing:
             self._start_prepared()
         if self._quarantine:
@@ -243,7 +246,29 @@ class Worker:
                 self.engine.abort(rid)
             self._dead_letter(item, rid, f"the worker could not accept this request: {e!r}")
 
+    def _drop_lost(self) -> None:
+        """Requests whose entries other workers took over while our heartbeat had lapsed: dropped here, nothing
+        written (they run there; our finals would be refused anyway)."""
+        lost = set()
+        while not self.reader.lost.empty():
+            lost.add(self.reader.lost.get_nowait())
+        self._lost_entries |= lost  # entries still in the inbox, read before the lapse
+        for rid, flight in list(self.inflight.items()):
+            if flight.entry_id in lost:
+                self.inflight.pop(rid)
+                self.engine.abort(rid)
+                self.writer.submit([End(flight, None)])
+                log.warning("request taken over by another worker; dropped here", extra={"request_id": rid})
+        for rid, p in list(self.preparing.items()):
+            if p.flight.entry_id in lost:
+                del self.preparing[rid]
+                log.warning("request taken over by another worker; dropped here", extra={"request_id": rid})
+
     def _accept_entry(self, item: Incoming) -> None:
+        if item.entry_id in self._lost_entries:
+            self._lost_entries.discard(item.entry_id)
+            if item.deliveries <= 1:  # read before the lapse: not ours now (a later claim of it is)
+                return
         if item.fields is None:  # deleted from the stream: nothing left to do
             self.writer.submit([AckDelete(item.stream, item.entry_id)])
             return
@@ -482,11 +507,11 @@ class Worker:
         log.info("request finished", extra={"request_id": result.id, "status": result.status,
                                             "completion_tokens": result.completion_tokens, "worker": self.cfg.name,
                                             "request_created": result.created, **result.timings})
-        return [Command("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
-                Command("HSET", key, "status", result.status, "finished", result.finished),
-                Command("EXPIRE", key, c.REQUEST_RECORD_TTL_S),
-                Command("PUBLISH", channel, c.final_message(result.id, data)),  # after the SET
-                AckDelete(stream, entry_id)]
+        return [FinishIfOwned(stream, entry_id, [
+            ("SET", c.result_key(result.id), data, "EX", self.cfg.result_ttl_s, "NX"),
+            ("HSET", key, "status", result.status, "finished", result.finished),
+            ("EXPIRE", key, c.REQUEST_RECORD_TTL_S),
+            ("PUBLISH", channel, c.final_message(result.id, data))])]  # after the SET
 
     def _finish_terminal(self, stream: str, entry_id: bytes, req: c.QueuedRequest, status: str, message: str,
                          code: str, flight: InFlight | None = None) -> None:

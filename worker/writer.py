@@ -25,7 +25,7 @@ import redis
 from worker import contract as c
 from worker.connection import NotSent, RawConnection
 from worker.deltas import merged_delta, simple_delta
-from worker.ops import AckDelete, Command, End, Op, Outputs, Publish, Start
+from worker.ops import AckDelete, Command, End, FinishIfOwned, Op, Outputs, Publish, Start
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,9 @@ class Encoded:
 class _Build:
     """The commands of one write, as its operations are run in order."""
 
-    def __init__(self, flights: dict, end_ops: Callable, single_step: bool):
+    def __init__(self, flights: dict, end_ops: Callable, single_step: bool, consumer: str = ""):
         self.flights = flights
+        self.consumer = consumer  # this worker's name in the consumer group (FinishIfOwned)
         self.end_ops = end_ops
         self.single_step = single_step  # the write covers one step: plain deltas can be formatted at once
         self.plain: list = []  # (channel, message), or an InFlight: where its merged delta goes
@@ -80,6 +81,11 @@ class _Build:
                 self._outputs(outputs, at)
             case Publish(channel, data):
                 self.plain.append((channel, data))
+            case FinishIfOwned(stream, entry_id, commands):
+                args = [a for cmd in commands for a in (len(cmd), *cmd)]
+                self.tx.append(hiredis.pack_command(("EVAL", FINISH_IF_OWNED, 0, stream, c.GROUP, self.consumer,
+                                                     entry_id, *args)))
+                self.acked.append(entry_id)
             case AckDelete(stream, entry_id):
                 self.tx += [hiredis.pack_command(("XACK", stream, c.GROUP, entry_id)),
                             hiredis.pack_command(("XDEL", stream, entry_id))]
@@ -253,7 +259,7 @@ class Writer:
 
     def encode(self, batches: list[list[Op]]) -> Encoded:
         single = sum(isinstance(op, Outputs) for ops in batches for op in ops) == 1
-        build = _Build(self.flights, self.end_ops, single)
+        build = _Build(self.flights, self.end_ops, single, self.name)
         for ops in batches:
             for op in ops:
                 build.run(op)
@@ -320,6 +326,23 @@ class Writer:
         if errors:
             raise redis.ResponseError(str(errors[0]))
 
+
+# ARGV: stream, group, consumer, entry id, then commands, each as its length and its arguments. Runs the commands,
+# acknowledges and deletes the entry, if the entry is pending under the consumer; else nothing (another worker took
+# it over and writes its result). Returns 1 if run.
+FINISH_IF_OWNED = """
+local owned = redis.pcall('XPENDING', ARGV[1], ARGV[2], ARGV[4], ARGV[4], 1, ARGV[3])
+if type(owned) ~= 'table' or owned.err or #owned == 0 then return 0 end
+local i = 5
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  redis.call(unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+redis.call('XACK', ARGV[1], ARGV[2], ARGV[4])
+redis.call('XDEL', ARGV[1], ARGV[4])
+return 1
+"""
 
 # Error replies of a Redis that cannot serve yet (loading its data, a script running, a failover): nothing of the
 # command ran, and it will once Redis is ready.
