@@ -16,15 +16,17 @@ from tests.test_engine import generated, run_all, tokens
 from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
-SLOW_LOAD = ("--key-load-delay", "150")  # microseconds a key while loading (a Redis test setting)
+# ~8 s of loading (microseconds a key: a Redis test setting); a loading Redis answers clients (LOADING) every 2 MB
+# it loaded, so the keys are large: a reply every ~2 s
+SLOW_LOAD = ("--key-load-delay", "4000")
 
 
 def test_results_finished_while_redis_loads_are_all_delivered(tmp_path, tiny_model_path, tiny_weights):
     server = RedisServer(tmp_path / "redis", extra_args=SLOW_LOAD).start()
     r = redis.Redis.from_url(server.url)
     pipe = r.pipeline(transaction=False)
-    for i in range(20_000):  # ~3 s of loading after a restart
-        pipe.set(f"ballast:{i}", "x" * 16)
+    for i in range(2_000):  # 8 MB, ~8 s of loading after a restart: the worker writes while it loads
+        pipe.set(f"ballast:{i}", "x" * 4096)
     pipe.execute()
     r.bgrewriteaof()
     while r.info("persistence")["aof_rewrite_in_progress"]:
@@ -55,7 +57,47 @@ def test_results_finished_while_redis_loads_are_all_delivered(tmp_path, tiny_mod
         while pending_count(r) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert pending_count(r) == 0
+    finally:
+        worker.kill()
+        server.stop()
+
+
+def test_results_finished_while_redis_is_busy_are_all_delivered(tmp_path, tiny_model_path, tiny_weights):
+    """A script holding Redis past lua-time-limit: every other command gets BUSY, as during a load every command
+    gets LOADING. Requests that finish meanwhile are written once it is over."""
+    import threading
+    server = RedisServer(tmp_path / "redis", extra_args=("--lua-time-limit", "50")).start()
+    r = redis.Redis.from_url(server.url)
+    worker = start_worker(server.url, str(tiny_model_path), "busy-w", "--max-num-seqs", "16")
+    rids = [f"b{i}" for i in range(8)]
+    prompts = [tokens(12, seed=800 + i) for i in range(8)]
+    try:
+        for rid, prompt, seed in zip(rids, prompts, range(8)):
+            submit(r, rid, prompt, max_tokens=100, temperature=1.0, seed=seed, ignore_eos=True)
+        assert wait_running(r, rids)
+        busy = threading.Thread(target=lambda: _quietly(redis.Redis.from_url(server.url).eval,
+                                                        "while true do end", 0), daemon=True)
+        busy.start()
+        deadline = time.monotonic() + 60  # every request finishes while Redis answers BUSY
+        while open(worker.log_path).read().count('"sequence finished"') < len(rids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        redis.Redis.from_url(server.url).script_kill()
+        got = wait_results(r, rids, timeout_s=60)
+        cold = make_engine(tiny_weights, prefix_cache_gib=0)
+        for rid, prompt, seed in zip(rids, prompts, range(8)):
+            cold.add(Request(rid, prompt, SamplingParams(max_tokens=100, temperature=1.0, seed=seed,
+                                                         ignore_eos=True)))
+        expected = run_all(cold)
+        assert all(got[rid].choices[0].token_ids == generated(expected, rid) for rid in rids)
         assert "redis is not ready; retrying the write" in open(worker.log_path).read()
     finally:
         worker.kill()
         server.stop()
+
+
+def _quietly(call, *args) -> None:
+    try:
+        call(*args)
+    except redis.RedisError:  # SCRIPT KILL ends it with an error reply
+        pass
