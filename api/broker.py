@@ -262,7 +262,13 @@ class Broker:
         pipe = self.redis.pipeline(transaction=False)
         for stream in streams:
             pipe.xlen(stream)
-        return dict(zip(streams, await pipe.execute()))
+        depths = {}
+        for stream, depth in zip(streams, await pipe.execute(raise_on_error=False)):
+            if isinstance(depth, Exception):  # a key of another type where a stream belongs: that stream only
+                log.error("not a request stream; skipped", extra={"key": stream, "error": str(depth)})
+                continue
+            depths[stream] = depth
+        return depths
 
     async def admission_depths(self, tenant: str) -> tuple[int, int]:
         """(every stream's depth, the tenant's own) for admission: the tenant's own streams read now, the other

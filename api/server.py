@@ -69,7 +69,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gaggle: {e}", file=sys.stderr)
         return 2
-    options = {"log_config": None, "access_log": False, "timeout_graceful_shutdown": args.shutdown_timeout}
+    from api.http_limits import BoundedHeadProtocol
+    options = {"log_config": None, "access_log": False, "timeout_graceful_shutdown": args.shutdown_timeout,
+               "http": BoundedHeadProtocol}
     if args.workers > 1 and reuse_port_supported():
         return serve_processes(args.host, args.port, args.workers, args.shutdown_timeout, options)
     uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, workers=args.workers, **options)

@@ -94,11 +94,30 @@ def _parsed_json(text: str, param: str) -> dict:
     return value
 
 
+MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays (the metaschema check recurses per level)
+INT64 = (-(1 << 63), (1 << 64) - 1)  # what a queue entry (orjson) carries
+
+
 def check_schema(schema: dict, param: str) -> None:
-    """400 unless ``schema`` is a JSON schema (checked against its draft's metaschema, 2020-12 by default)."""
+    """400 unless ``schema`` is a JSON schema (checked against its draft's metaschema, 2020-12 by default), at most
+    MAX_SCHEMA_DEPTH deep, with integers of 64 bits."""
+    _check_shape(schema, param)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         raise bad_request(f"{param} is not a valid JSON schema{f' at {where}' if where else ''}: {e.message}",
                           param) from None
+
+
+def _check_shape(schema, param: str) -> None:
+    """Depth and integer range, walked without recursion (a deep schema must not exhaust the stack here)."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise bad_request(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+            stack += [(v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)]
+        elif isinstance(node, int) and not isinstance(node, bool) and not INT64[0] <= node <= INT64[1]:
+            raise bad_request(f"{param} holds the integer {str(node)[:24]}…, beyond 64 bits", param)

@@ -39,12 +39,17 @@ class ToolPlan:
 NO_TOOLS = ToolPlan(None, None, False)
 
 
+MAX_TOOLS = 128  # as OpenAI's chat API (each tool's schema is checked, on the event loop)
+
+
 def plan(tools: list[Tool] | None, choice, parallel: bool | None) -> ToolPlan:
     """400 naming the field for a tool_choice that names no listed function, or a bad parameter schema."""
     if not tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return NO_TOOLS
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
     for i, tool in enumerate(tools):
         if tool.function.parameters is not None:
             check_schema(tool.function.parameters, f"tools[{i}].function.parameters")

@@ -192,6 +192,13 @@ def test_structured_and_tool_lines_in_a_batch(stack, client, tmp_path):
     assert [e["custom_id"] for e in errors] == ["s-11"]
 
 
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("bad,code", [
     (b"{not json", "invalid_json"),
     (json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}).encode(), "missing_required_parameter"),
@@ -203,7 +210,12 @@ def test_structured_and_tool_lines_in_a_batch(stack, client, tmp_path):
                  "body": {"messages": [{"role": "user", "content": "x"}], "temperature": 9}}).encode(), "invalid_value"),
     (json.dumps({"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}).encode(),
      "invalid_method"),
-], ids=["json", "custom_id", "duplicate", "url", "body", "method"])
+    (json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",  # once failed, then looped
+                 "body": {"messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "deep", "schema": nested_schema(98)}}}}).encode(),
+     "invalid_request"),
+], ids=["json", "custom_id", "duplicate", "url", "body", "method", "deep-schema"])
 def test_a_bad_line_fails_the_batch_naming_it_and_nothing_is_queued(stack, client, bad, code):
     path = write_lines(stack["tmp"] / f"bad-{code}.jsonl", 3)
     lines = path.read_bytes().splitlines()

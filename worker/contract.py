@@ -271,6 +271,11 @@ def batches_index(tenant: str) -> str:
     return f"{PREFIX}batches:{tenant}"
 
 
+def batch_worker_key(name: str) -> str:
+    """A named batch worker's liveness (TTL): a restart under its name after it died may take the name over."""
+    return f"{PREFIX}batch-worker:{name}"
+
+
 def batch_lease_key(batch_id: str) -> str:
     return f"{PREFIX}batch-lease:{batch_id}"
 

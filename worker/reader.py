@@ -173,6 +173,7 @@ class Reader:
         self._owned: dict[bytes, str] = {}  # entry id -> stream, read but not yet acknowledged
         self._lock = threading.Lock()
         self._streams = _Streams()
+        self._malformed: set[str] = set()  # request stream names holding another type of key (logged once)
         self._reclaim = client.register_script(RECLAIM_SCRIPT)
         self._handoff = client.register_script(HANDOFF_SCRIPT)
         self._requeue = client.register_script(REQUEUE_SCRIPT)
@@ -280,9 +281,16 @@ class Reader:
                 try:
                     self.redis.xgroup_create(stream, c.GROUP, id="0", mkstream=True)
                 except redis.ResponseError as e:
+                    if "WRONGTYPE" in str(e):  # not a stream: that tenant's slot is skipped, the others served
+                        if stream not in self._malformed:
+                            log.error("not a request stream; skipped", extra={"key": stream, "error": str(e)})
+                            self._malformed.add(stream)
+                        continue
                     if "BUSYGROUP" not in str(e):
                         raise
                 streams.known.add(stream)
+        for priority in c.PRIORITIES:
+            streams.by_priority[priority] = [s for s in streams.by_priority[priority] if s in streams.known]
         self._streams = streams
 
     def _want(self) -> int:

@@ -8,6 +8,8 @@ A line's request id is ``<batch id>-<line>``: a line enqueued again after a cras
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 
 import orjson
@@ -36,6 +38,9 @@ class Line:
 
 def line_error(number: int | None, code: str, message: str, param: str | None = None) -> dict:
     return {"code": code, "message": message, "param": param, "line": number}
+
+
+log = logging.getLogger(__name__)
 
 
 async def parse_lines(data: bytes, batch: Batch, settings: Settings, tokenizer: WorldTokenizer,
@@ -98,6 +103,10 @@ async def _parse_line(number: int, raw: bytes, batch: Batch, settings: Settings,
     except OpenAIError as e:
         raise LineError(number, e.code or "invalid_request", f"line {number}: {e.message}", e.param,
                         custom_id) from None
+    except (RecursionError, ValueError, TypeError, OverflowError) as e:  # a check the API's own would 500 on
+        log.exception("batch line failed its checks", extra={"batch_id": batch.id, "line": number})
+        raise LineError(number, "invalid_request", f"line {number} could not be checked: {type(e).__name__}",
+                        None, custom_id) from None
     req = job.requests[0]
     rid = f"{batch.id}-{number}"
     req.id, req.priority, req.stream, req.record_text = rid, "batch", False, False

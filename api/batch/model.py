@@ -103,6 +103,8 @@ class Batch:
             "input_tokens": 0, "output_tokens": 0})
         pipe.expire(key, c.BATCH_TTL_S)
         pipe.zadd(c.batches_index(self.tenant), {self.id: self.created_at})
+        # entries whose records have expired (BATCH_TTL_S after creation) leave the index
+        pipe.zremrangebyscore(c.batches_index(self.tenant), "-inf", self.created_at - c.BATCH_TTL_S)
 
     @classmethod
     def decode(cls, raw: dict) -> Batch:

@@ -41,6 +41,9 @@ return 0
 """
 
 
+MAX_CRASHES = 3  # runs of a batch that raised: then it fails, rather than be resumed forever
+
+
 def run_batch(batch_id: str) -> str:
     """The RQ job: run (or resume) a batch; its status when this runner stops. It runs in RQ's forked work horse,
     which stops with its batch worker (it resumes from the files), never runs on alone."""
@@ -99,6 +102,17 @@ class BatchRunner:
         except LostLease:
             log.warning("batch lease lost; another runner carries on", extra={"batch_id": self.batch_id})
             return "lost"
+        except Exception as e:  # a bug or a poison input: the batch fails after MAX_CRASHES runs, not loops
+            log.exception("batch run crashed", extra={"batch_id": self.batch_id})
+            if self.redis.hincrby(c.batch_key(self.batch_id), "crashes", 1) >= MAX_CRASHES:
+                batch = self.load()
+                if batch is not None and batch.status not in TERMINAL:
+                    error = {"code": "batch_crashed", "param": None, "line": None,
+                             "message": f"the batch failed {MAX_CRASHES} times running: {type(e).__name__}: "
+                                        f"{str(e)[:200]}"}
+                    self.redis.hset(c.batch_key(batch.id), mapping={"errors": orjson.dumps([error])})
+                    return self._end(batch, FAILED)
+            raise
         finally:
             self.redis.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end", 1,
                             c.batch_lease_key(self.batch_id), self.token)

@@ -140,7 +140,11 @@ class BatchService:
         pipe = self.redis.pipeline(transaction=False)
         for batch_id in ids:
             pipe.hgetall(c.batch_key(batch_id))
-        batches = [Batch.decode(raw).openai() for raw in await pipe.execute() if raw]
+        raws = await pipe.execute()
+        expired = [batch_id for batch_id, raw in zip(ids, raws) if not raw]
+        if expired:  # their records expired: out of the index too (it would grow with every batch ever made)
+            await self.redis.zrem(c.batches_index(tenant), *expired)
+        batches = [Batch.decode(raw).openai() for raw in raws if raw]
         return page(batches, after, limit)
 
 

@@ -7,6 +7,9 @@ passes in a row and queues a new run of it (an RQ job per attempt); the runner t
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import threading
 import time
 
@@ -22,17 +25,27 @@ from worker import contract as c
 log = logging.getLogger(__name__)
 
 JANITOR_INTERVAL_S = 2.0
+BATCH_WORKER_TTL_S = 3 * JANITOR_INTERVAL_S  # a named batch worker's liveness key
 EXIT_REDIS_GONE = 5  # the batch worker lost Redis (documented in the README): a supervisor restarts it
 
 
 class Janitor:
-    def __init__(self, client: redis.Redis, queue: Queue):
+    def __init__(self, client: redis.Redis, queue: Queue, name: str | None = None):
         self.redis = client
         self.queue = queue
+        self.name = name  # the batch worker's --name: its liveness key is kept fresh here
         self.suspects: dict[str, int] = {}  # batch id -> passes in a row it looked orphaned
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.wait(JANITOR_INTERVAL_S):
+        while True:
+            try:
+                if self.name is not None:
+                    self.redis.set(c.batch_worker_key(self.name), f"{os.getpid()}:{time.monotonic()}",
+                                   px=int(BATCH_WORKER_TTL_S * 1000))
+            except redis.RedisError:
+                pass
+            if stop.wait(JANITOR_INTERVAL_S):
+                return
             try:
                 self.sweep()
             except redis.RedisError as e:
@@ -75,22 +88,73 @@ class Janitor:
 
 
 def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
+    """RQ's worker on the batch queue until stopped: through a Redis restart it reconnects and goes on (a batch
+    it ran resumes from its files); a name a dead batch worker left registered is taken over."""
     from api.batch.runner import shared_tokenizer
     shared_tokenizer()  # before the first fork
     client = redis.Redis.from_url(redis_url)
     queue = Queue(c.BATCH_QUEUE, connection=client)
     stop = threading.Event()
-    janitor = Janitor(client, queue)
+    janitor = Janitor(client, queue, name)
     if not burst:
         threading.Thread(target=janitor.run, args=(stop,), name="gaggle-batch-janitor", daemon=True).start()
     log.info("batch worker started", extra={"queue": c.BATCH_QUEUE, "burst": burst})
+    delay = 0.5
     try:
-        Worker([queue], connection=client, name=name).work(burst=burst, with_scheduler=False,
-                                                            logging_level=logging.getLogger().level or "INFO")
-    except redis.ConnectionError as e:  # Redis went away (stopping, or between restarts): nothing is lost
-        log.error("batch worker stopped: redis unavailable; a running batch resumes from its files",
-                  extra={"error": str(e)})
-        return EXIT_REDIS_GONE
+        while True:
+            worker = None
+            try:
+                if name is not None and not _take_name(client, name):
+                    print(f"gaggle: a live batch worker is named {name!r}; give each its own --name",
+                          file=sys.stderr)
+                    return 2
+                worker = Worker([queue], connection=client, name=name)
+                worker.work(burst=burst, with_scheduler=False, logging_level=logging.getLogger().level or "INFO")
+                return 0
+            except redis.ConnectionError as e:  # Redis restarting, or gone: nothing is lost either way
+                if worker is not None and worker._stop_requested:
+                    log.error("batch worker stopped: redis unavailable; a running batch resumes from its files",
+                              extra={"error": str(e)})
+                    return EXIT_REDIS_GONE
+                log.warning("redis unavailable; the batch worker reconnects", extra={"error": str(e)})
+                if _wait_for_redis(client, stop, delay):
+                    return EXIT_REDIS_GONE
+                delay = min(delay * 2, 5.0)
     finally:
         stop.set()
-    return 0
+
+
+def _take_name(client: redis.Redis, name: str) -> bool:
+    """False if a live batch worker has ``name`` (its liveness key is refreshed while we wait for it to lapse);
+    else RQ's registration of a dead one under it is removed, so this one can register."""
+    key = c.batch_worker_key(name)
+    first = client.get(key)
+    deadline = time.monotonic() + BATCH_WORKER_TTL_S + 1.0
+    while first is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = client.get(key)
+        if now is None:
+            break
+        if now != first:
+            return False
+    else:
+        if first is not None:
+            return False
+    client.delete(Worker.redis_worker_namespace_prefix + name)
+    return True
+
+
+def _wait_for_redis(client: redis.Redis, stop: threading.Event, delay: float) -> bool:
+    """Until Redis answers; True if a SIGTERM came first (the caller exits)."""
+    stopping = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        while not stopping.wait(delay):
+            try:
+                client.ping()
+                return False
+            except redis.RedisError:
+                continue
+        return True
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,9 +1,10 @@
 """The live status page: GET /dashboard (a static page from dashboards/, no build step) and the JSON it polls,
-GET /dashboard/status.json: workers, queues, batches, recent errors. With API keys configured, tenant names and
-batch ids stay out of it (the page needs no key)."""
+GET /dashboard/status.json: workers, queues, batches, recent errors. With API keys configured, tenant names, batch
+and request ids, file ids and error messages stay out of it (the page needs no key)."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -69,8 +70,17 @@ async def status(broker: Broker, private: bool) -> dict:
                    "in_streams": sum(depths.values()), "workers": len(workers)},
         "queues": queues,
         "batches": batches,
-        "errors": [orjson.loads(e) for e in errors],
-        "dead_letters": [{"id": eid.decode(), "request_id": f.get(b"request_id", b"").decode(),
+        "errors": [_private_error(orjson.loads(e)) if private else orjson.loads(e) for e in errors],
+        "dead_letters": [{"id": eid.decode()} if private else
+                         {"id": eid.decode(), "request_id": f.get(b"request_id", b"").decode(),
                           "reason": f.get(b"reason", b"").decode()[:300]} for eid, f in dead],
     }
+
+
+_IDS = re.compile(r"(file|batch|cmpl|chatcmpl|resp|req|msg)[-_][A-Za-z0-9_-]+")
+
+
+def _private_error(error: dict) -> dict:
+    """A recent error without what could belong to a tenant: ids out of its path, no message."""
+    return {"time": error.get("time"), "status": error.get("status"), "path": _IDS.sub("{id}", str(error.get("path")))}
 

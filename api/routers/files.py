@@ -3,21 +3,22 @@ DELETE /v1/files/{id}."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response, StreamingResponse
 
-import asyncio
-
 from api.auth import get_tenant
-from api.limits import current_limits
-from api.settings import Settings, get_settings
-from api.state_files import MAX_STATE_FILE_BYTES, STATE_PURPOSE, StateFileRefused, state_file_shape
 from api.batch.files import MAX_UPLOAD_BYTES, read_chunks
 from api.batch.service import FileService
 from api.errors import OpenAIError, bad_request
+from api.limits import current_limits
+from api.middleware import BodyTooLarge
+from api.settings import Settings, get_settings
+from api.state_files import MAX_STATE_FILE_BYTES, STATE_PURPOSE, StateFileRefused, state_file_shape
 from api.responses import JSONBytesResponse
 from api.routers.common import errors
 
@@ -36,6 +37,8 @@ async def create_file(request: Request, tenant: str = Depends(get_tenant),
     sends them."""
     try:
         form = await request.form(max_files=1, max_fields=16)
+    except BodyTooLarge:  # a chunked body over the limit, found as it streamed in
+        raise
     except Exception as e:  # not multipart, malformed, too many parts
         raise bad_request(f"the body must be multipart/form-data with a file: {e}", "file") from None
     try:
@@ -111,7 +114,13 @@ async def file_content(file_id: str, request: Request, tenant: str = Depends(get
     meta = await service.get(tenant, file_id)
     return StreamingResponse(service.content(meta), media_type="application/octet-stream",
                              headers={"Content-Length": str(meta.bytes),
-                                      "Content-Disposition": f'attachment; filename="{meta.filename}"'})
+                                      "Content-Disposition": content_disposition(meta.filename)})
+
+
+def content_disposition(filename: str) -> str:
+    """An attachment header for any file name: an ASCII fallback, and the name itself as RFC 5987 UTF-8."""
+    fallback = "".join(ch if 32 <= ord(ch) < 127 and ch not in '"\\' else "_" for ch in filename) or "file"
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
 @router.delete("/v1/files/{file_id}", responses=errors(401, 404))
