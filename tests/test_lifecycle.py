@@ -155,3 +155,42 @@ def test_every_process_stops_on_sigterm_with_redis_gone(tmp_path, tiny_model_pat
     from api.batch.worker import EXIT_REDIS_GONE
     assert statuses["api"] == 0 and statuses["worker"] == 0 and statuses["batch-worker"] in (0, EXIT_REDIS_GONE), \
         statuses
+
+
+def test_a_batch_worker_rides_out_a_redis_restart_and_takes_over_a_dead_namesake(tmp_path):
+    import redis as redis_py
+
+    from tests.test_batch import start_batch_worker
+    server = RedisServer(tmp_path / "redis").start()
+    r = redis_py.Redis.from_url(server.url)
+    registered = lambda: r.hget("rq:worker:bw", "pid")  # noqa: E731
+
+    def wait(cond, timeout_s: float = 30.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if cond():
+                    return True
+            except redis_py.RedisError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    first = start_batch_worker(server.url, tmp_path / "files", "bw", "--name", "bw")
+    second = None
+    try:
+        assert wait(lambda: registered() == str(first.pid).encode())
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = start_batch_worker(server.url, tmp_path / "files", "bw", "--name", "bw")  # RQ refused the name before
+        assert wait(lambda: registered() == str(second.pid).encode()), "the dead worker's name was not taken over"
+        server.stop()
+        time.sleep(2.0)
+        server = RedisServer(tmp_path / "redis", port=server.port).start()
+        r = redis_py.Redis.from_url(server.url)
+        assert wait(lambda: registered() == str(second.pid).encode()) and second.poll() is None
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+        server.stop()
