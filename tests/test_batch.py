@@ -214,7 +214,7 @@ def nested_schema(depth: int) -> dict:
                  "body": {"messages": [{"role": "user", "content": "x"}],
                           "response_format": {"type": "json_schema",
                                               "json_schema": {"name": "deep", "schema": nested_schema(98)}}}}).encode(),
-     "invalid_request"),
+     "invalid_value"),
 ], ids=["json", "custom_id", "duplicate", "url", "body", "method", "deep-schema"])
 def test_a_bad_line_fails_the_batch_naming_it_and_nothing_is_queued(stack, client, bad, code):
     path = write_lines(stack["tmp"] / f"bad-{code}.jsonl", 3)

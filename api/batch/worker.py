@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 JANITOR_INTERVAL_S = 2.0
 BATCH_WORKER_TTL_S = 3 * JANITOR_INTERVAL_S  # a named batch worker's liveness key
 EXIT_REDIS_GONE = 5  # the batch worker lost Redis (documented in the README): a supervisor restarts it
+EXIT_STOP_GRACE = 6  # stopped, but its batch or Redis did not let it finish in STOP_GRACE_S (README)
+STOP_GRACE_S = 10.0
 
 
 class Janitor:
@@ -87,6 +89,25 @@ class Janitor:
         enqueue_batch(self.queue, self.redis, batch_id, max(1, batch.expires_at - int(time.time())))
 
 
+class BatchWorker(Worker):
+    """RQ's worker, bounded on stopping: RQ's warm shutdown waits for the running batch (hours) and, with Redis
+    gone, retries its connection forever; after STOP_GRACE_S this process exits regardless (its work horse dies
+    with it, and the batch resumes from its files under the next batch worker)."""
+
+    def request_stop(self, signum, frame):
+        timer = threading.Timer(STOP_GRACE_S, _exit_stopped)
+        timer.daemon = True
+        timer.start()
+        super().request_stop(signum, frame)
+
+
+def _exit_stopped() -> None:
+    log.warning("batch worker: stop grace over; exiting, its batch resumes from its files",
+                extra={"grace_s": STOP_GRACE_S})
+    logging.shutdown()
+    os._exit(EXIT_STOP_GRACE)
+
+
 def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
     """RQ's worker on the batch queue until stopped: through a Redis restart it reconnects and goes on (a batch
     it ran resumes from its files); a name a dead batch worker left registered is taken over."""
@@ -94,6 +115,9 @@ def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
     shared_tokenizer()  # before the first fork
     client = redis.Redis.from_url(redis_url)
     queue = Queue(c.BATCH_QUEUE, connection=client)
+    if name is not None and not _take_name(client, name):  # before our own liveness key is written
+        print(f"gaggle: a live batch worker is named {name!r}; give each its own --name", file=sys.stderr)
+        return 2
     stop = threading.Event()
     janitor = Janitor(client, queue, name)
     if not burst:
@@ -104,11 +128,9 @@ def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
         while True:
             worker = None
             try:
-                if name is not None and not _take_name(client, name):
-                    print(f"gaggle: a live batch worker is named {name!r}; give each its own --name",
-                          file=sys.stderr)
-                    return 2
-                worker = Worker([queue], connection=client, name=name)
+                if name is not None:  # a registration of ours that a Redis restart left behind
+                    client.delete(Worker.redis_worker_namespace_prefix + name)
+                worker = BatchWorker([queue], connection=client, name=name)
                 worker.work(burst=burst, with_scheduler=False, logging_level=logging.getLogger().level or "INFO")
                 return 0
             except redis.ConnectionError as e:  # Redis restarting, or gone: nothing is lost either way
