@@ -29,10 +29,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return
         if self._in_head:
             self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse()
-                return
-        super().data_received(data)
+        super().data_received(data)  # a read may end the head and carry body bytes: the head's end decides
+        if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self._refused:
+            self._refuse()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers += 1

@@ -112,3 +112,39 @@ def test_an_oversized_request_head_is_a_431_and_the_api_serves_on(served):
             reply = s.recv(65536)
         assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
     assert httpx.get(api.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_chunked_upload_past_the_limit_is_a_413(served):
+    api, _ = served
+    from api.batch.files import MAX_UPLOAD_BYTES
+    boundary = b"gagglebound"
+
+    def body():  # multipart, chunked (no Content-Length): the limit is found as it streams in
+        yield (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--' + boundary
+               + b'\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n')
+        chunk = b"x" * (1 << 20)
+        for _ in range(MAX_UPLOAD_BYTES // len(chunk) + 8):
+            yield chunk
+        yield b"\r\n--" + boundary + b"--\r\n"
+
+    reply = httpx.post(api.url + "/v1/files", headers={**ALICE, "Content-Type":
+                                                        f"multipart/form-data; boundary={boundary.decode()}"},
+                       content=body(), timeout=120)
+    assert reply.status_code == 413, reply.text[:300]
+
+
+def test_an_expired_batch_leaves_the_tenants_index(served):
+    api, r = served
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}\n'
+    file_id = httpx.post(api.url + "/v1/files", headers=ALICE, timeout=30, data={"purpose": "batch"},
+                         files={"file": ("b.jsonl", line)}).json()["id"]
+    made = httpx.post(api.url + "/v1/batches", headers=ALICE, timeout=30,
+                      json={"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert made.status_code == 200, made.text
+    batch_id = made.json()["id"]
+    assert r.zscore(c.batches_index("alice"), batch_id) is not None
+    r.delete(c.batch_key(batch_id))  # its record expired
+    listed = httpx.get(api.url + "/v1/batches", headers=ALICE, timeout=30).json()["data"]
+    assert batch_id not in [b["id"] for b in listed]
+    assert r.zscore(c.batches_index("alice"), batch_id) is None
