@@ -107,3 +107,17 @@ def pytest_runtest_makereport(item, call):
             continue
         state = "running" if proc.poll() is None else f"exited {proc.returncode}"
         report.sections.append((f"log of pid {proc.pid} ({state}): {path}", tail))
+
+
+def same_seed_tokens(weights, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    """What a cold engine generates for each prompt (request id -> prompt), sampled at temperature 1 with the
+    seed its position gives (0, 1, ...), ignoring EOS: the reference for runs that crossed a failure."""
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    from tests.test_engine import generated, run_all
+    cold = make_engine(weights, prefix_cache_gib=0)
+    for seed, (rid, prompt) in enumerate(prompts.items()):
+        cold.add(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed,
+                                                     ignore_eos=True)))
+    outs = run_all(cold)
+    return {rid: generated(outs, rid) for rid in prompts}

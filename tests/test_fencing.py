@@ -10,12 +10,10 @@ import time
 import orjson
 import pytest
 
-from engine.params import SamplingParams
-from engine.sequence import Request
-from tests.conftest import make_engine
+from tests.conftest import same_seed_tokens
 from tests.queue_helpers import pending_count, start_worker, submit, wait_results, wait_running
 from tests.test_api_support import wait_heartbeat
-from tests.test_engine import generated, run_all, tokens
+from tests.test_engine import tokens
 from worker import contract as c
 
 pytestmark = pytest.mark.slow
@@ -43,13 +41,9 @@ def test_a_paused_worker_resumes_without_generating_what_was_taken_over(redis_ur
     a.send_signal(signal.SIGCONT)
     try:
         got = wait_results(r, rids, timeout_s=180)
-        cold = make_engine(tiny_weights, prefix_cache_gib=0)
-        for rid, prompt, seed in zip(rids, prompts, range(6)):
-            cold.add(Request(rid, prompt, SamplingParams(max_tokens=1200, temperature=1.0, seed=seed,
-                                                         ignore_eos=True)))
-        expected = run_all(cold)
+        expected = same_seed_tokens(tiny_weights, dict(zip(rids, prompts)), 1200)
         for rid in rids:
-            assert got[rid].choices[0].token_ids == generated(expected, rid), rid
+            assert got[rid].choices[0].token_ids == expected[rid], rid
             assert got[rid].worker == "paused-b", rid
         time.sleep(1.0)
         done = finished_sequences(a.log_path) + finished_sequences(b.log_path)

@@ -8,11 +8,9 @@ import time
 import pytest
 import redis
 
-from engine.params import SamplingParams
-from engine.sequence import Request
-from tests.conftest import make_engine
+from tests.conftest import same_seed_tokens
 from tests.queue_helpers import pending_count, start_worker, submit, wait_results, wait_running
-from tests.test_engine import generated, run_all, tokens
+from tests.test_engine import tokens
 from worker.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -46,13 +44,9 @@ def test_results_finished_while_redis_loads_are_all_delivered(tmp_path, tiny_mod
     r = redis.Redis.from_url(server.url)
     try:
         got = wait_results(r, rids, timeout_s=120)
-        cold = make_engine(tiny_weights, prefix_cache_gib=0)
-        for rid, prompt, seed in zip(rids, prompts, range(12)):
-            cold.add(Request(rid, prompt, SamplingParams(max_tokens=100, temperature=1.0, seed=seed,
-                                                         ignore_eos=True)))
-        expected = run_all(cold)
+        expected = same_seed_tokens(tiny_weights, dict(zip(rids, prompts)), 100)
         for rid in rids:
-            assert got[rid].choices[0].token_ids == generated(expected, rid), rid
+            assert got[rid].choices[0].token_ids == expected[rid], rid
         deadline = time.monotonic() + 20
         while pending_count(r) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -84,12 +78,8 @@ def test_results_finished_while_redis_is_busy_are_all_delivered(tmp_path, tiny_m
         time.sleep(1.0)
         redis.Redis.from_url(server.url).script_kill()
         got = wait_results(r, rids, timeout_s=60)
-        cold = make_engine(tiny_weights, prefix_cache_gib=0)
-        for rid, prompt, seed in zip(rids, prompts, range(8)):
-            cold.add(Request(rid, prompt, SamplingParams(max_tokens=100, temperature=1.0, seed=seed,
-                                                         ignore_eos=True)))
-        expected = run_all(cold)
-        assert all(got[rid].choices[0].token_ids == generated(expected, rid) for rid in rids)
+        expected = same_seed_tokens(tiny_weights, dict(zip(rids, prompts)), 100)
+        assert all(got[rid].choices[0].token_ids == expected[rid] for rid in rids)
         assert "redis is not ready; retrying the write" in open(worker.log_path).read()
     finally:
         worker.kill()
