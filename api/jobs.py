@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -88,8 +89,11 @@ async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings,
     n = _check_n(body.n, limits)
     _check_sequences(n, settings)
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-    tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-    constraint = constraint_of(body)
+    # the tools' and response_format's schema checks run off the event loop (128 tools' schemas take a while)
+    tool_plan = await asyncio.to_thread(tools.plan, body.tools, body.tool_choice, body.parallel_tool_calls) \
+        if body.tools else tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = await asyncio.to_thread(constraint_of, body) if body.response_format is not None \
+        else constraint_of(body)
     if tool_plan.constraint is not None and constraint is not None:
         raise bad_request("response_format or structured_outputs together with tools is not supported: use "
                           "tool_choice none, or a tool for the structured answer", "response_format",
