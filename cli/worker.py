@@ -21,7 +21,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_kind_arg(p)
     p.add_argument("--max-deliveries", type=int, default=3)
     p.add_argument("--interactive-reserve", type=int, default=None,
-                   help="slots that batch lines leave free for synchronous requests (default: a 128th of the slots)")
+                   help="slots that batch lines leave free for synchronous requests (default: a 128th of the slots, at "
+                        "least 1)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between 'loop stats' log lines (steps, step time by phase, tok/s, queues; 0: none)")

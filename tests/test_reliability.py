@@ -325,20 +325,23 @@ def test_one_tenants_backlog_does_not_delay_another_tenants_request(redis_url, t
     worker.kill()
 
 
-def test_batch_lines_leave_the_interactive_reserve_free(redis_url, tiny_model_path):
+@pytest.mark.parametrize("reserve", [2, None], ids=["given", "default"])
+def test_batch_lines_leave_the_interactive_reserve_free(redis_url, tiny_model_path, reserve):
     """With every slot but the reserve busy with batch lines (and 200 more queued), a synchronous request
     starts at once: before any of the running batch lines finishes (without the reserve it would wait for one).
-    The reserve is never taken by batch lines: at most 8 − 2 of them run at a time."""
+    The reserve is never taken by batch lines: at most 8 − 2 of them run at a time; by default (8 slots: a 128th
+    of them rounds to 0) one slot is kept."""
     r = redis.Redis.from_url(redis_url)
-    worker = start_worker(redis_url, str(tiny_model_path), "reserve-w", "--max-num-seqs", "8",
-                          "--interactive-reserve", "2")
+    flags = ("--interactive-reserve", str(reserve)) if reserve is not None else ()
+    worker = start_worker(redis_url, str(tiny_model_path), "reserve-w", "--max-num-seqs", "8", *flags)
+    expected = 8 - (reserve if reserve is not None else 1)
     lines = [f"line-{i}" for i in range(200)]
     pipe = r.pipeline()
     for rid in lines:
         c.QueuedRequest(id=rid, prompt_token_ids=[1, 2, 3], params={"max_tokens": 400, "ignore_eos": True},
                         priority="batch").enqueue(pipe)
     pipe.execute()
-    assert wait_running(r, lines[:6], 120), log_of(worker)
+    assert wait_running(r, lines[:expected], 120), log_of(worker)
     time.sleep(0.5)
 
     def times(rids: list[str], field: str) -> list[float | None]:
@@ -348,7 +351,7 @@ def test_batch_lines_leave_the_interactive_reserve_free(redis_url, tiny_model_pa
         return [None if v is None else float(v) for v in pipe.execute()]
 
     running = [rid for rid, t in zip(lines, times(lines, "started")) if t is not None]
-    assert len(running) == 6, running  # 8 slots, 2 kept free
+    assert len(running) == expected, running  # 8 slots, the reserve kept free
     submit(r, "sync-0", [5, 6, 7], max_tokens=3)
     wait_for(lambda: times(["sync-0"], "started")[0] is not None, 60, 0.01, "the sync request started")
     sync_started = times(["sync-0"], "started")[0]

@@ -60,7 +60,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     result_ttl_s: int = c.RESULT_TTL_S
     deadline_check_interval_s: float = 0.5
-    interactive_reserve: int | None = None  # slots batch lines leave free for sync requests (None: slots // 128)
+    interactive_reserve: int | None = None  # slots batch lines leave free for sync requests (None: a 128th, >= 1)
     log_stats_interval_s: float = 10.0  # the "loop stats" log line (worker.loop_stats); 0: never
     gc_young_threshold: int = YOUNG_THRESHOLD  # engine/gc_policy.py
     shared_states_gib: float = 2.0  # the prefix cache's tier in Redis, all workers together (0: none)
@@ -91,7 +91,8 @@ class Worker:
         self.reader = self.io.reader
         reserve = cfg.interactive_reserve
         if reserve is None:
-            reserve = engine.num_slots // 128 if engine is not None else 0  # None: tests of the I/O alone
+            # a 128th of the slots, and at least one where there are two (a CPU worker's 32 slots gave none)
+            reserve = (max(1, engine.num_slots // 128) if engine.num_slots > 1 else 0) if engine is not None else 0
         self.reader.interactive_reserve = reserve
         self.inflight: dict[str, InFlight] = {}
         # requests waiting for something done off the loop (a shared prefix state's fetch, a grammar's
