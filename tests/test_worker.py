@@ -491,3 +491,19 @@ def test_the_workers_threads_carry_their_names_in_the_os():
     t.start()
     t.join()
     assert seen == ["gaggle-writer"]
+
+
+def test_the_heartbeats_rate_falls_to_zero_once_idle(redis_url, r, tiny_model_path):
+    """tokens/s on the heartbeat (the status line, the dashboard) shows the generation rate while tokens come and
+    0 within a few seconds after they stop, not the last busy rate forever."""
+    from tests.queue_helpers import heartbeat, start_worker, submit, wait_results
+    from tests.test_api_support import wait_for, wait_heartbeat
+    worker = start_worker(redis_url, str(tiny_model_path), "rate-w")
+    try:
+        wait_heartbeat(r, "rate-w")
+        submit(r, "busy", [1, 2, 3], max_tokens=2000, ignore_eos=True)
+        wait_for(lambda: heartbeat(r, "rate-w").tokens_per_s > 0, 60, 0.05, "a rate while busy")
+        wait_results(r, ["busy"])
+        wait_for(lambda: heartbeat(r, "rate-w").tokens_per_s == 0, 10, 0.1, "the rate back to 0 once idle")
+    finally:
+        worker.kill()

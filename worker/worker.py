@@ -34,7 +34,8 @@ from worker.results import InFlight
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
+DEAD_LETTER_DATA_BYTES = 65536
+IDLE_RATE_S = 2.0  # no token for this long: the heartbeat's tokens/s is 0  # of a dead entry's data kept for inspection
 
 
 def unique_worker_name(device: str = "") -> str:
@@ -108,7 +109,8 @@ class Worker:
         self.stop_now = False
         self._drain_deadline = 0.0
         self._next_deadline_check = 0.0
-        self._tokens_per_s = 0.0
+        self._tokens_per_s = 0.0  # an average over recent steps (see _current_tokens_per_s)
+        self._last_tokens_at = 0.0
         self._quarantine: list[InFlight] = []  # requests of a failed step, re-run one at a time
         self.gc_clock = GcClock()
         self.stats = None if engine is None else LoopStats(  # engines without a phase clock report no phases
@@ -480,6 +482,7 @@ class Worker:
         dt = time.perf_counter() - t0
         if outputs and dt > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)
+            self._last_tokens_at = time.monotonic()
         if self.stats is not None:
             self.stats.on_step(dt, tokens)
         if self.metrics is not None:
@@ -582,12 +585,18 @@ class Worker:
             self.metrics.sample_gpu_memory()
         return c.Heartbeat(name=self.cfg.name, pid=os.getpid(), host=socket.gethostname(), device=self.device,
                            model=self.model_name, num_slots=self.engine.num_slots, running=self.engine.num_running,
-                           free_slots=self.engine.num_free_slots, tokens_per_s=round(self._tokens_per_s, 1),
+                           free_slots=self.engine.num_free_slots, tokens_per_s=round(self._current_tokens_per_s(), 1),
                            started=self.started, draining=self.draining,
                            max_model_len=self.engine.max_model_len, vocab_size=self.engine.vocab_size,
                            states=[s for s in getattr(self.engine, "state_names", [])
                                    if not s.startswith(c.UPLOADED_STATE_PREFIX)],
                            state_shape=self._state_shape(), **self._prefix_cache_counts())
+
+    def _current_tokens_per_s(self) -> float:
+        """The recent steps' rate while tokens come; it falls to 0 within IDLE_RATE_S once none have (the average
+        is kept per step, so it would show the last busy rate forever)."""
+        idle = time.monotonic() - self._last_tokens_at
+        return self._tokens_per_s if idle < IDLE_RATE_S else 0.0
 
     def _state_shape(self) -> list[int]:
         shape = getattr(getattr(self.engine, "runner", None), "shape", None)
