@@ -87,6 +87,9 @@ def test_the_heartbeat_carries_the_workers_limits(stack):
     beat = c.Heartbeat.decode(r.get(c.heartbeat_key(WORKER)))
     assert (beat.max_model_len, beat.vocab_size, beat.num_slots) == (MAX_MODEL_LEN, 65536, SLOTS)
     assert http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    # the longest prompt is said too, where a prompt past it is refused
+    tokenized = http.post("/tokenize", json={"prompt": "Hi"}).json()
+    assert tokenized["max_prompt_tokens"] == http.get("/v1/models").json()["data"][0]["max_prompt_tokens"] > 0
 
 
 def test_over_the_workers_max_model_len_is_a_400(stack):

@@ -14,10 +14,11 @@ router = APIRouter(tags=["models"])
 
 
 async def model_card(request: Request, settings: Settings) -> dict:
-    """``max_model_len``: the tightest of the API's setting and every live worker's."""
+    """``max_model_len``: the tightest of the API's setting and every live worker's (prompt + output);
+    ``max_prompt_tokens``: the longest prompt the API takes (``--max-prompt-tokens``), which may be less."""
     limits = await current_limits(request.app.state.generation.broker, settings)
     return {"id": settings.model_name, "object": "model", "created": request.app.state.started, "owned_by": "gaggle",
-            "max_model_len": limits.max_model_len}
+            "max_model_len": limits.max_model_len, "max_prompt_tokens": limits.max_prompt_tokens}
 
 
 @router.get("/v1/models", responses=errors(401))

@@ -53,7 +53,8 @@ async def tokenize(body: TokenizeRequest, request: Request, tenant: str = Depend
     strs = None
     if body.return_token_strs:
         strs = [tokenizer.id_to_token_bytes[t].decode("utf-8", errors="replace") for t in ids]
-    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
+    return {"count": len(ids), "max_model_len": limits.max_model_len, "max_prompt_tokens": limits.max_prompt_tokens,
+            "tokens": ids, "token_strs": strs}
 
 
 @router.post("/detokenize", responses=errors(400, 401))
