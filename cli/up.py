@@ -153,7 +153,8 @@ class Supervisor:
         self.stopping = False
         self.exit_code = 0
         self.lifeline: Lifeline | None = None  # run(): every child's
-        self._redis_child = Child(name="redis", cmd=[])  # the embedded Redis's restart bookkeeping
+        # the embedded Redis's restart bookkeeping (RedisServer starts it)
+        self._redis_child = Child(name="redis", cmd=[], log_path=self.data_dir / "redis" / "redis.log")
 
     def _python(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "cli.main", "--log-level", "INFO",
@@ -224,29 +225,49 @@ class Supervisor:
                 if now - child.started > HEALTHY_AFTER_S:
                     child.backoff_s = BACKOFF_START_S
                 continue
-            if child.restart_at == 0.0:
-                code = child.proc.returncode if child.proc else None
-                child.restart_at = now + child.backoff_s
-                log.error("child exited; restarting with backoff", extra={
-                    "child": child.name, "exit_code": code, "backoff_s": child.backoff_s, "log": str(child.log_path)})
-                print(f"gaggle: {child.name} exited ({code}); restarting in {child.backoff_s:.0f} s "
-                      f"(log: {child.log_path})", file=sys.stderr)
-            elif now >= child.restart_at:
-                if self._gave_up(child, now):
-                    return
-                child.restart_at = 0.0
-                child.restarts += 1
-                child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            if self._due_for_restart(child, child.proc.returncode if child.proc else None, now):
                 child.start()
                 self._count_restart(child)
+            if self.stopping:  # it kept dying: the service stops
+                return
+
+    def _restart_redis(self, now: float) -> None:
+        """The embedded Redis, restarted on its port from its append-only file when it dies."""
+        server, child = self.redis, self._redis_child
+        if server is None or server.proc is None or server.proc.poll() is None or self.stopping:
+            return
+        if not self._due_for_restart(child, server.proc.returncode, now):
+            return
+        try:
+            server.start(timeout_s=600.0)  # loading a large append-only file takes a while
+            child.started = time.monotonic()
+            self._count_restart(child)
+            print("gaggle: the embedded Redis is back", file=sys.stderr, flush=True)
+        except RuntimeError as e:
+            log.error("embedded redis did not start", extra={"error": str(e)})
+
+    def _due_for_restart(self, child: Child, exit_code: int | None, now: float) -> bool:
+        """For a child found dead: the first time, its restart is scheduled after its backoff (logged and said);
+        True once that time has come (its backoff doubled for the next time), unless it keeps dying (_gave_up)."""
+        if child.restart_at == 0.0:
+            child.restart_at = now + child.backoff_s
+            log.error("child exited; restarting with backoff", extra={
+                "child": child.name, "exit_code": exit_code, "backoff_s": child.backoff_s, "log": str(child.log_path)})
+            print(f"gaggle: {child.name} exited ({exit_code}); restarting in {child.backoff_s:.0f} s "
+                  f"(log: {child.log_path})", file=sys.stderr, flush=True)
+            return False
+        if now < child.restart_at or self._gave_up(child, now):
+            return False
+        child.restart_at, child.restarts = 0.0, child.restarts + 1
+        child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+        return True
 
     def _gave_up(self, child: Child, now: float) -> bool:
         """A child that keeps dying stops the service: restarting it again would hide what is wrong."""
         if not child.crash_looping(now):
             return False
         print(f"gaggle: {child.name} keeps exiting ({CRASH_LOOP_RESTARTS} restarts in {CRASH_LOOP_WINDOW_S:.0f} s); "
-              f"stopping everything. Its log: {child.log_path or self.data_dir / 'redis' / 'redis.log'}",
-              file=sys.stderr, flush=True)
+              f"stopping everything. Its log: {child.log_path}", file=sys.stderr, flush=True)
         log.error("crash loop; stopping", extra={"child": child.name, "restarts": child.restarts})
         self.exit_code = EXIT_CRASH_LOOP
         self.stopping = True
@@ -259,30 +280,6 @@ class Supervisor:
             redis.Redis.from_url(self.redis_url, socket_timeout=2).hincrby(c.RESTARTS, child.name, 1)
         except Exception as e:  # Redis may be the one restarting
             log.warning("could not count a restart", extra={"child": child.name, "error": str(e)})
-
-    def _restart_redis(self, now: float) -> None:
-        """The embedded Redis, restarted on its port from its append-only file when it dies."""
-        server, child = self.redis, self._redis_child
-        if server is None or server.proc is None or server.proc.poll() is None or self.stopping:
-            return
-        if child.restart_at == 0.0:
-            child.restart_at = now + child.backoff_s
-            log.error("embedded redis exited; restarting with backoff", extra={
-                "exit_code": server.proc.returncode, "backoff_s": child.backoff_s})
-            print(f"gaggle: the embedded Redis exited ({server.proc.returncode}); restarting in "
-                  f"{child.backoff_s:.0f} s (log: {server.data_dir / 'redis.log'})", file=sys.stderr, flush=True)
-            return
-        if now < child.restart_at or self._gave_up(child, now):
-            return
-        child.restart_at, child.restarts = 0.0, child.restarts + 1
-        child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
-        try:
-            server.start(timeout_s=600.0)  # loading a large append-only file takes a while
-            child.started = time.monotonic()
-            self._count_restart(child)
-            print("gaggle: the embedded Redis is back", file=sys.stderr, flush=True)
-        except RuntimeError as e:
-            log.error("embedded redis did not start", extra={"error": str(e)})
 
     def _url(self) -> str:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host

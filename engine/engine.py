@@ -44,8 +44,8 @@ from engine.weights import Rwkv7Weights, load_model
 log = logging.getLogger(__name__)
 
 SEED_MASK = (1 << 63) - 1
-PREFILL_RATE_MIN_TOKENS = 64
-MAX_UPLOADED_STATES = 64  # uploaded initial states loaded at once (each one model state on the device)  # steps that prefilled fewer say little about the prefill rate
+PREFILL_RATE_MIN_TOKENS = 64  # steps that prefilled fewer say little about the prefill rate
+MAX_UPLOADED_STATES = 64  # uploaded initial states loaded at once (each one model state on the device)
 SIBLING_SEED_STRIDE = 0x9E3779B97F4A7C15  # n > 1: choice i gets seed + i·φ
 
 

@@ -36,13 +36,14 @@ class LaunchedStep:
     prefill_tokens: int = 0  # prompt tokens it prefilled (LLMEngine measures the prefill rate)
     launched_at: float = 0.0
 
+
 STAGING_ROWS = 4  # checkpoints on their way to the shared tier at once
 
 
 @dataclass
 class ExportedState:
     """A checkpoint's copy in a host staging row: ``wait()`` (any thread) until the copy is done, read
-    ``blob_tensors()``, then ``release()`` the row."""
+    ``blob()``, then ``release()`` the row."""
     slab: CheckpointSlab
     row: int
     event: object  # a CUDA event recorded after the copy (None: the copy was synchronous)
@@ -367,9 +368,9 @@ class ModelRunner:
 
     def export_checkpoint(self, payload: tuple[bool, int], has_logits: bool) -> "ExportedState | None":
         """A checkpoint's row copied (queued) into a staging row of host memory, for another thread to write
-        out once ``wait()`` returns; None where every staging row is still being written (the offer is dropped), or for a
-        host-tier checkpoint (its row may still be arriving from the device: a host copy out of it cannot be
-        ordered after that)."""
+        out once ``wait()`` returns; None where every staging row is still being written (the offer is dropped),
+        or for a host-tier checkpoint (its row may still be arriving from the device: a host copy out of it cannot
+        be ordered after that)."""
         on_device, row = payload
         staging = self._staging_slab()
         if staging.num_free == 0 or not on_device:

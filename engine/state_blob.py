@@ -28,7 +28,7 @@ class StateBlobError(ValueError):
 @dataclass
 class StateBlob:
     tokens: int  # the prefix's length
-    digest: str  # the prefix's digest (worker.shared_states.prefix_digest)
+    digest: str  # the prefix's digest (worker.prefix_digests)
     att_shift: torch.Tensor
     ffn_shift: torch.Tensor
     wkv: torch.Tensor

@@ -121,3 +121,11 @@ def same_seed_tokens(weights, prompts: dict[str, list[int]], max_tokens: int) ->
                                                      ignore_eos=True)))
     outs = run_all(cold)
     return {rid: generated(outs, rid) for rid in prompts}
+
+
+def nested_schema(depth: int) -> dict:
+    """A JSON schema of objects nested ``depth`` levels around a string."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema

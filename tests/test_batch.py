@@ -14,6 +14,7 @@ import openai
 import orjson
 import pytest
 
+from tests.conftest import nested_schema
 from tests.queue_helpers import REPO, STARTED, kill_group, log_of, start_worker
 from tests.test_api_support import ApiServer, flushed, wait_for
 from worker import contract as c
@@ -190,13 +191,6 @@ def test_structured_and_tool_lines_in_a_batch(stack, client, tmp_path):
             assert message["content"] in ("a", "b")
     errors = file_lines(client, done.error_file_id)
     assert [e["custom_id"] for e in errors] == ["s-11"]
-
-
-def nested_schema(depth: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
 
 
 @pytest.mark.parametrize("bad,code", [

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import nested_schema
 from tests.queue_helpers import start_worker
 from tests.test_api_support import ApiServer, flushed, is_openai_error, wait_heartbeat
 from worker import contract as c
@@ -34,14 +35,7 @@ def chat(api: ApiServer, **body) -> httpx.Response:
                       json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **body})
 
 
-def nested(depth: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
-
-
-@pytest.mark.parametrize("schema, says", [(nested(100), "deeper than 64 levels"),
+@pytest.mark.parametrize("schema, says", [(nested_schema(100), "deeper than 64 levels"),
                                           ({"type": "integer", "minimum": 10**30}, "beyond 64 bits")])
 def test_a_schema_past_the_limits_is_a_400_naming_the_limit(served, schema, says):
     api, _ = served

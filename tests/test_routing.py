@@ -19,7 +19,7 @@ from engine.params import SamplingParams
 from engine.sequence import Request
 from tests.test_engine import generated, run_all, tokens
 from worker import contract as c
-from worker.prefix_digests import PrefixDigests
+from worker.prefix_digests import block_digest
 
 pytestmark = pytest.mark.slow
 NO_SHARED_TIER = ("--shared-prefix-gib", "0")
@@ -34,7 +34,7 @@ def complete(api: ApiServer, prompt: list[int], **kw) -> dict:
 
 def wait_held(r, prefix: list[int], timeout_s: float = 20.0) -> str:
     """The worker that advertises ``prefix`` (its state), once it does."""
-    key = c.held_key(PrefixDigests(prefix).block(len(prefix) // c.STATE_BLOCK))
+    key = c.held_key(block_digest(prefix))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         holder = r.get(key)

@@ -42,9 +42,8 @@ class PrefixDigests:
         return h.hexdigest()[:DIGEST_CHARS]
 
 
-def prefix_digest(tokens: list[int]) -> str:
-    return PrefixDigests(tokens).at(len(tokens))
-
-
-def prefix_digest(tokens: list[int]) -> str:
-    return PrefixDigests(tokens).at(len(tokens))
+def block_digest(tokens: list[int]) -> str:
+    """The digest of ``tokens`` rounded down to STATE_BLOCK tokens (what a worker advertises it holds): one hash,
+    without PrefixDigests' state at every block."""
+    n = len(tokens) // c.STATE_BLOCK * c.STATE_BLOCK
+    return hashlib.sha256(array("I", tokens[:n]).tobytes()).hexdigest()[:DIGEST_CHARS]

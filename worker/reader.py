@@ -187,16 +187,10 @@ class Reader:
 
     def claim_name(self) -> None:
         """Wait for an earlier holder of this name to lapse; NameInUse if its heartbeat is being refreshed."""
-        first = self.redis.get(c.heartbeat_key(self.name))
-        deadline = time.monotonic() + c.HEARTBEAT_TTL_S + 1.0
-        while first is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-            now = self.redis.get(c.heartbeat_key(self.name))
-            if now is None:
-                return
-            if now != first:
-                raise NameInUse(f"another live worker is named {self.name!r}; give each worker its own --name")
-        if first is not None:
+        held = wait_for_lapse(self.redis, c.heartbeat_key(self.name), c.HEARTBEAT_TTL_S + 1.0)
+        if held == REFRESHED:
+            raise NameInUse(f"another live worker is named {self.name!r}; give each worker its own --name")
+        if held == STUCK:
             raise NameInUse(f"the heartbeat of a worker named {self.name!r} did not expire")
         self.redis.delete(self._handoffs)  # what a predecessor was handed is pending under the name: replayed
 
@@ -605,6 +599,24 @@ def _fields(raw) -> dict | None:
     if not raw:
         return None
     return {raw[i]: raw[i + 1] for i in range(0, len(raw), 2)}
+
+
+LAPSED, REFRESHED, STUCK = "lapsed", "refreshed", "stuck"
+
+
+def wait_for_lapse(client: redis.Redis, key: str, timeout_s: float) -> str:
+    """Until ``key`` (a liveness key with a TTL, rewritten with a new value while its owner lives) is gone:
+    LAPSED (or there was none), REFRESHED (its value changed: a live owner), or STUCK (neither within timeout_s)."""
+    first = client.get(key)
+    deadline = time.monotonic() + timeout_s
+    while first is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = client.get(key)
+        if now is None:
+            return LAPSED
+        if now != first:
+            return REFRESHED
+    return LAPSED if first is None else STUCK
 
 
 def _entry_ms(entry_id: bytes) -> int:

@@ -27,15 +27,15 @@ from engine.sequence import Request
 from worker import contract as c
 from worker.loop_stats import LoopStats
 from worker.ops import AckDelete, Command, End, FinishIfOwned, Op, Outputs, Publish, Start
-from worker.prefix_digests import PrefixDigests
+from worker.prefix_digests import block_digest
 from worker.reader import CANCELLED, OWNER_GONE, Incoming, ReaderConfig
 from worker.redis_io import RedisIO
 from worker.results import InFlight
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTER_DATA_BYTES = 65536
-IDLE_RATE_S = 2.0  # no token for this long: the heartbeat's tokens/s is 0  # of a dead entry's data kept for inspection
+DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
+IDLE_RATE_S = 2.0  # no token for this long: the heartbeat's tokens/s is 0
 
 
 def unique_worker_name(device: str = "") -> str:
@@ -394,8 +394,7 @@ class Worker:
     def _advertise(self, prefix: list[int], state: str | None) -> None:
         """Tell the API this worker holds a state of ``prefix`` (it routes prompts on that path here)."""
         if state is None and len(prefix) >= c.ROUTE_MIN_TOKENS:
-            digest = PrefixDigests(prefix).block(len(prefix) // c.STATE_BLOCK)
-            self.writer.submit([Command("SET", c.held_key(digest), self.cfg.name, "EX", c.HELD_TTL_S)])
+            self.writer.submit([Command("SET", c.held_key(block_digest(prefix)), self.cfg.name, "EX", c.HELD_TTL_S)])
 
     def _fetch_shared_prefix(self, request: Request) -> Future | None:
         if self.shared is None or request.params.prompt_logprobs is not None:

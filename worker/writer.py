@@ -278,17 +278,13 @@ class Writer:
                     self.forget(eid)
                 self.num_commands += commands
                 return commands
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-                log.warning("redis write failed; retrying", extra={"worker": self.name, "error": str(e)})
-                if num_plain and not isinstance(e, NotSent):  # some may have run: deltas are at most once
-                    blob, num_plain = blob[enc.tx_start:], 0
-                    if not blob:
-                        return commands
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except NotReady as e:  # nothing of what it refused ran: the same again once Redis is ready
-                log.warning("redis is not ready; retrying the write", extra={"worker": self.name, "error": str(e)})
-                if e.deltas_ran:  # some deltas ran (it became ready in between): deltas are at most once
+            except (redis.ConnectionError, redis.TimeoutError, OSError, NotReady) as e:
+                # NotReady: nothing of what Redis refused ran, the same again once it serves
+                not_ready = isinstance(e, NotReady)
+                log.warning("redis is not ready; retrying the write" if not_ready else "redis write failed; retrying",
+                            extra={"worker": self.name, "error": str(e)})
+                deltas_ran = e.deltas_ran if not_ready else not isinstance(e, NotSent)
+                if num_plain and deltas_ran:  # some may have run: deltas are at most once
                     blob, num_plain = blob[enc.tx_start:], 0
                     if not blob:
                         return commands

@@ -21,6 +21,7 @@ from rq.job import Job
 from api.batch.service import enqueue_batch
 from api.batch.model import Batch
 from worker import contract as c
+from worker.reader import LAPSED, wait_for_lapse
 
 log = logging.getLogger(__name__)
 
@@ -149,19 +150,8 @@ def serve(redis_url: str, burst: bool = False, name: str | None = None) -> int:
 def _take_name(client: redis.Redis, name: str) -> bool:
     """False if a live batch worker has ``name`` (its liveness key is refreshed while we wait for it to lapse);
     else RQ's registration of a dead one under it is removed, so this one can register."""
-    key = c.batch_worker_key(name)
-    first = client.get(key)
-    deadline = time.monotonic() + BATCH_WORKER_TTL_S + 1.0
-    while first is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = client.get(key)
-        if now is None:
-            break
-        if now != first:
-            return False
-    else:
-        if first is not None:
-            return False
+    if wait_for_lapse(client, c.batch_worker_key(name), BATCH_WORKER_TTL_S + 1.0) != LAPSED:
+        return False
     client.delete(Worker.redis_worker_namespace_prefix + name)
     return True
 
