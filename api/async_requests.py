@@ -138,8 +138,9 @@ class AsyncRequests:
         fmt = self.formatter(request_id, snap.record)
         chars_sent = [len(text) for text in snap.texts]  # per choice: a re-run's deltas skip what was sent
         for i, text in enumerate(snap.texts):
-            if text:
-                yield sse_event(fmt.chunk(i, text))
+            chunk = fmt.chunk(i, text) if text else None
+            if chunk is not None:
+                yield sse_event(chunk)
         past_mark = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + c.REQUEST_RECORD_TTL_S
@@ -165,8 +166,10 @@ class AsyncRequests:
                         text, _ = c.skip_seen(ch, chars_sent[i] + len(gap), 0)
                         text = gap + text
                         chars_sent[i] += len(text)
-                        if text or ch.get("finish_reason"):
-                            yield sse_event(fmt.chunk(i, text, finish_reason=ch.get("finish_reason")))
+                        chunk = fmt.chunk(i, text, finish_reason=ch.get("finish_reason")) \
+                            if text or ch.get("finish_reason") else None
+                        if chunk is not None:
+                            yield sse_event(chunk)
         except TimeoutError:
             pass  # watched for as long as the record lives
         yield SSE_DONE

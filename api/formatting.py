@@ -120,8 +120,9 @@ class Formatter:
         finish = ch.finish_reason or FINISH_ABORT
         if self.shape.endpoint == "chat":
             out["message"] = {"role": "assistant", "content": text}
-            if self.shape.tools:
-                content, calls = split_calls(text)
+            if self.shape.tools:  # as the stream of it assembles (chunk): no call markup left in the content
+                content, calls = split_calls(text, cut=finish == "length")
+                out["message"] = {"role": "assistant", "content": content or ""}
                 if calls:
                     out["message"] = {"role": "assistant", "content": content,
                                       "tool_calls": [self._tool_call(index, k, call) for k, call in enumerate(calls)]}
@@ -155,12 +156,17 @@ class Formatter:
         return chunks
 
     def chunk(self, index: int, text: str, *, logprobs: list[dict] | None = None, finish_reason: str | None = None,
-              role: bool = False, prompt_logprobs: list[dict] | None = None) -> dict:
+              role: bool = False, prompt_logprobs: list[dict] | None = None) -> dict | None:
+        """One choice's chunk; None where it would say nothing (a chat choice with tools while a call's block is
+        being written: its text is held back until the call is whole)."""
         choice: dict = {"index": index}
         if self.shape.endpoint == "chat":
             calls: list = []
             if self.shape.tools:
-                text, calls = self._calls.setdefault(index, CallStream()).feed(text, final=finish_reason is not None)
+                text, calls = self._calls.setdefault(index, CallStream()).feed(
+                    text, final=finish_reason is not None, cut=finish_reason == "length")
+                if not (text or calls or role or finish_reason or logprobs):
+                    return None
             delta: dict = {"role": "assistant"} if role else {}
             if text or role:
                 delta["content"] = text

@@ -19,7 +19,7 @@ from api.formatting import FINISH_ABORT
 from api.responses import sse_event
 from api.schemas import ChatCompletionRequest, FunctionDefinition, Text, _Body, ranged
 from api.streaming import StreamSession
-from api.tools import split_calls
+from api.tools import split_pieces
 from api.unsupported import Rule, check_fields, only, refuse
 from worker import contract as c
 
@@ -228,13 +228,16 @@ class ResponseView:
     def render(self, results: list[c.Result], prompt_tokens: int) -> dict:
         """The whole response of a finished request (``n`` is 1: one choice)."""
         choice = results[0].choices[0]
-        content, calls = split_calls(choice.text) if self.chat.tools and self.chat.tool_choice != "none" else (
-            choice.text, [])
-        output = []
-        if content:
-            output.append(message_item(new_id("msg"), content, "completed"))
-        for k, (name, arguments) in enumerate(calls):
-            output.append(call_item(new_id("fc"), call_id_of(self.id, k), name, arguments, "completed"))
+        pieces = (split_pieces(choice.text, cut=choice.finish_reason == "length")
+                  if self.chat.tools and self.chat.tool_choice != "none" else [choice.text] if choice.text else [])
+        output, calls = [], 0
+        for piece in pieces:  # in the order the stream sends them as items
+            if isinstance(piece, str):
+                output.append(message_item(new_id("msg"), piece, "completed"))
+            else:
+                name, arguments = piece
+                output.append(call_item(new_id("fc"), call_id_of(self.id, calls), name, arguments, "completed"))
+                calls += 1
         status, incomplete = self._status(choice.finish_reason)
         self.final = self.obj(status, output, usage_of(results, prompt_tokens), incomplete)
         return self.final

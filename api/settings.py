@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     gc_young_threshold: int = Field(YOUNG_THRESHOLD, ge=1)  # engine/gc_policy.py (GAGGLE_GC_YOUNG_THRESHOLD)
     log_level: str | None = None  # set: configure logging in each API process (uvicorn --workers spawns)
     log_format: str = "json"
+    instance_id: str = ""  # set by ``gaggle up`` so that it knows its own API from another on the port
 
 
 async def get_settings(request: Request) -> Settings:

@@ -105,6 +105,9 @@ class StreamSession:
     def frame(self, chunk: dict) -> list[bytes]:
         return [sse_event(chunk)]
 
+    def _send(self, chunk: dict | None) -> list[bytes]:
+        return [] if chunk is None else self.frame(chunk)
+
     def completed(self, results: list[c.Result]) -> list[bytes]:
         frames = []
         if self.job.shape.include_usage:
@@ -137,7 +140,7 @@ class StreamSession:
                     self.echo_pending[p * n + j] = text
                     continue
                 self.sent[p * n + j] = ""
-                frames += self.frame(self.formatter.chunk(p * n + j, text))
+                frames += self._send(self.formatter.chunk(p * n + j, text))
         return frames
 
     def _pending_echo(self, index: int, prompt_logprobs: list[dict] | None) -> list[bytes]:
@@ -146,7 +149,7 @@ class StreamSession:
             return []
         self.sent[index] = ""
         text = self.echo_pending.pop(index)
-        return self.frame(self.formatter.chunk(index, text, prompt_logprobs=prompt_logprobs or []))
+        return self._send(self.formatter.chunk(index, text, prompt_logprobs=prompt_logprobs or []))
 
     def _on_delta(self, msg: dict, now: float) -> list[bytes]:
         rid = msg["id"]
@@ -175,7 +178,7 @@ class StreamSession:
             self.sent[index] = sent + text
             if finish:
                 self.finished.add(index)
-            frames += self.frame(self.formatter.chunk(index, text, logprobs=logprobs, finish_reason=finish,
+            frames += self._send(self.formatter.chunk(index, text, logprobs=logprobs, finish_reason=finish,
                                                       role=first and self.job.endpoint == "chat"))
         return frames
 
@@ -230,7 +233,7 @@ class StreamSession:
             rest = ch.text[len(sent):]
             logprobs = ch.logprobs[self.tokens_sent.get(index, 0):] if ch.logprobs is not None else None
             self.sent[index] = sent + rest
-            frames += self.frame(self.formatter.chunk(index, rest, logprobs=logprobs or None,
+            frames += self._send(self.formatter.chunk(index, rest, logprobs=logprobs or None,
                                                       finish_reason=ch.finish_reason or FINISH_ABORT,
                                                       role=first and self.job.endpoint == "chat"))
         return frames, None

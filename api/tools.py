@@ -108,25 +108,49 @@ def parse_block(body: str) -> tuple[str, str] | None:
     return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def split_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """Generated text → (the text outside the call blocks, or None if there is none; the calls in order)."""
-    stream = CallStream()
-    content, calls = stream.feed(text, final=True)
-    content = content.strip()
+Piece = str | tuple[str, str]  # text, or a call (name, arguments as a JSON string)
+
+
+def split_calls(text: str, cut: bool = False) -> tuple[str | None, list[tuple[str, str]]]:
+    """Generated text → (the text outside the call blocks, or None if there is none; the calls in order), as a
+    stream of it assembles, however it is chunked. ``cut``: the text ended at max_tokens."""
+    content, calls = CallStream().feed(text, final=True, cut=cut)
     return (content or None), calls
 
 
+def split_pieces(text: str, cut: bool = False) -> list[Piece]:
+    """Generated text → its text and calls in order, adjacent text joined (the Responses API's output items)."""
+    pieces: list[Piece] = []
+    for piece in CallStream().pieces(text, final=True, cut=cut):
+        if isinstance(piece, str) and pieces and isinstance(pieces[-1], str):
+            pieces[-1] += piece
+        else:
+            pieces.append(piece)
+    return pieces
+
+
 class CallStream:
-    """Splits streamed text into content and complete calls. Text that may be the start of a block is held back
-    until it is known not to be one; a block's call is passed on once the block closes."""
+    """Splits streamed text into content and complete calls, so that the stream assembles to exactly the
+    split of the whole text however it is chunked. Text that may be the start of a block is held back until it
+    is known not to be one; a block's call is passed on once the block closes. Whitespace is held back too: at
+    the start, before a call and at the end it is dropped (the separators between parallel calls are not
+    content), elsewhere it is passed on with the text that follows it."""
 
     def __init__(self) -> None:
         self.buffer = ""
         self.in_block = False
+        self.started = False  # text has been passed on (until then whitespace is dropped)
+        self.space = ""  # whitespace held back
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[tuple[str, str]]]:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> tuple[str, list[tuple[str, str]]]:
+        """(the content to pass on, the calls completed) after ``text``; ``final``: the text ended there
+        (``cut``: at max_tokens, so an unfinished block is dropped rather than shown as text)."""
+        pieces = self.pieces(text, final, cut)
+        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if not isinstance(p, str)]
+
+    def pieces(self, text: str, final: bool = False, cut: bool = False) -> list[Piece]:
         self.buffer += text
-        content, calls = "", []
+        out: list[Piece] = []
         while True:
             if self.in_block:
                 end = self.buffer.find(CLOSE)
@@ -136,27 +160,40 @@ class CallStream:
                 self.in_block = False
                 parsed = parse_block(body.strip())
                 if parsed is not None:
-                    calls.append(parsed)
-                    self.buffer = self.buffer.removeprefix("\n")
+                    self.space = ""
+                    out.append(parsed)
                 else:  # not a call after all: it stays text
-                    content += OPEN + body + CLOSE
+                    self._text(OPEN + body + CLOSE, out)
                 continue
             start = self.buffer.find(OPEN)
             if start >= 0:
-                content += self.buffer[:start]
+                self._text(self.buffer[:start], out)
                 self.buffer = self.buffer[start + len(OPEN):]
                 self.in_block = True
                 continue
-            keep = _partial_suffix(self.buffer, OPEN)
-            content += self.buffer[:len(self.buffer) - keep]
-            self.buffer = self.buffer[len(self.buffer) - keep:]
+            held = _partial_suffix(self.buffer, OPEN)
+            if final:  # what was held back is text, unless max_tokens cut off a block's start
+                if cut:
+                    self.buffer = self.buffer[:len(self.buffer) - held]
+                held = 0
+            self._text(self.buffer[:len(self.buffer) - held], out)
+            self.buffer = self.buffer[len(self.buffer) - held:]
             break
-        if final:  # an unclosed block or a held-back prefix is text after all
-            content += (OPEN if self.in_block else "") + self.buffer
-            self.buffer, self.in_block = "", False
-        if calls:
-            content = content.rstrip("\n")
-        return content, calls
+        if final:
+            if self.in_block and not cut:  # an unclosed block the model ended itself is text after all
+                self._text(OPEN + self.buffer, out)
+            self.buffer, self.in_block, self.space = "", False, ""
+        return out
+
+    def _text(self, text: str, out: list[Piece]) -> None:
+        text = self.space + text
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.space = text[len(body):]
+        if body:
+            self.started = True
+            out.append(body)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

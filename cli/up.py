@@ -12,6 +12,7 @@ the supervisor, however it ends (``worker.lifeline``), and one data dir serves o
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import logging
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import uuid
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +36,10 @@ from worker.lifeline import Lifeline, die_with_parent
 log = logging.getLogger("gaggle.up")
 
 BACKOFF_START_S, BACKOFF_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
+READY_TIMEOUT_S = 900.0  # a first GPU start compiles kernels for minutes; its stages are shown meanwhile
 CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S = 5, 120.0  # this many restarts of one child within the window: give up
 EXIT_CRASH_LOOP = 4
+EXIT_CANNOT_START = 2  # the data dir or the port is taken: nothing was started
 LOCK_FILE = "gaggle-up.lock"
 
 
@@ -52,9 +56,11 @@ class Child:
     env: dict = field(default_factory=dict)
     lifeline: Lifeline | None = None
     recent_restarts: list[float] = field(default_factory=list)
+    log_offset: int = 0  # the log's size when this run of the child started: what it wrote begins there
 
     def start(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else None
+        self.log_offset = out.tell() if out is not None else 0
         env, fds = {**os.environ, **self.env}, ()
         if self.lifeline is not None:
             env.update(self.lifeline.child_env())
@@ -153,6 +159,7 @@ class Supervisor:
         self.stopping = False
         self.exit_code = 0
         self.lifeline: Lifeline | None = None  # run(): every child's
+        self.instance = uuid.uuid4().hex  # this run's API says it on /health and /ready (GAGGLE_INSTANCE_ID)
         # the embedded Redis's restart bookkeeping (RedisServer starts it)
         self._redis_child = Child(name="redis", cmd=[], log_path=self.data_dir / "redis" / "redis.log")
 
@@ -181,11 +188,16 @@ class Supervisor:
                            str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
                            "--model-name", model_name, "--files-dir", files,
                            "--shutdown-timeout", str(self.args.drain_timeout), *self.args.api_args)
-        self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log", lifeline=self.lifeline))
+        self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log", lifeline=self.lifeline,
+                                   env={"GAGGLE_INSTANCE_ID": self.instance}))
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a stop, a closed terminal
             signal.signal(sig, self._on_signal)
+        problem = port_problem(self.args.host, self.args.port)
+        if problem:
+            print(f"gaggle: {problem}", file=sys.stderr)
+            return EXIT_CANNOT_START
         self.lifeline = Lifeline()
         if not self.redis_url:
             from worker.redis_server import RedisServer
@@ -202,6 +214,9 @@ class Supervisor:
         try:
             if self._wait_ready():
                 self._print_banner()
+            elif not self.stopping:
+                print(f"gaggle: still not ready after {READY_TIMEOUT_S:.0f} s; going on (see the logs in {self.logs})",
+                      file=sys.stderr, flush=True)
             status = StatusLine(self.redis_url)
             while not self.stopping:
                 self._restart_crashed()
@@ -285,7 +300,7 @@ class Supervisor:
         host = "127.0.0.1" if self.args.host in ("0.0.0.0", "::") else self.args.host
         return f"http://{host}:{self.args.port}"
 
-    def _wait_ready(self, timeout_s: float = 900.0) -> bool:
+    def _wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> bool:
         """Until ``/ready`` answers 200, saying what it waits for whenever that changes (every worker's warm-up
         stage and count, the API not listening yet), at most every 2 s."""
         deadline = time.monotonic() + timeout_s
@@ -297,22 +312,46 @@ class Supervisor:
             if reason != said and time.monotonic() - said_at >= 2.0:
                 print(f"gaggle: {reason}", file=sys.stderr, flush=True)
                 said, said_at = reason, time.monotonic()
+            if self._api_could_not_bind():
+                return False
             self._restart_crashed()
             time.sleep(0.5)
         return False
 
     def _not_ready_reason(self) -> str | None:
-        """None once ``/ready`` answers 200; else its reason (a warming worker's stage, no worker yet, ...)."""
+        """None once this run's own API answers ``/ready`` with 200; else why not (a warming worker's stage, no
+        worker yet, another service answering on the port, ...)."""
+        base = self._url()
         try:
-            with urllib.request.urlopen(self._url() + "/ready", timeout=2):
-                return None
+            instance = fetch_json(base + "/health").get("instance")
+        except urllib.error.HTTPError as e:
+            return f"another service answers on {base} (HTTP {e.code} on /health), not this gaggle's API"
+        except (OSError, ValueError, AttributeError):
+            return "starting: the API is not listening yet"
+        if instance != self.instance:
+            return f"another service answers on {base}, not this gaggle's API"
+        try:
+            fetch_json(base + "/ready")
+            return None
         except urllib.error.HTTPError as e:
             try:
                 return json.loads(e.read())["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 return f"not ready (HTTP {e.code})"
-        except OSError:
+        except (OSError, ValueError):
             return "starting: the API is not listening yet"
+
+    def _api_could_not_bind(self) -> bool:
+        """The API exited because its port is taken (bound by another program since the check at start): say so
+        and stop, rather than restart it again and again."""
+        api = next((child for child in self.children if child.name == "api"), None)
+        if api is None or api.alive() or api.log_path is None or not bind_failed(api.log_path, api.log_offset):
+            return False
+        why = port_problem(self.args.host, self.args.port) or "address already in use"
+        print(f"gaggle: the API could not listen: {why} (log: {api.log_path})", file=sys.stderr, flush=True)
+        self.exit_code = EXIT_CANNOT_START
+        self.stopping = True
+        return True
 
     def _print_banner(self) -> None:
         url = self._url()
@@ -353,6 +392,44 @@ Ctrl-C stops everything (workers finish their running requests first).
         if self.lifeline is not None:
             self.lifeline.close()
         print("gaggle: stopped", file=sys.stderr)
+
+
+def fetch_json(url: str, timeout_s: float = 2.0):
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why this service's API could not listen on (host, port), checked before anything starts; None when it
+    can. Another gaggle there is named as such (it answers /health)."""
+    from api.processes import bind_socket
+
+    try:
+        bind_socket(host, port, reuse_port=False).close()
+        return None
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    probe_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    try:
+        other = fetch_json(f"http://{probe_host}:{port}/health", timeout_s=1.0)
+        who = "another gaggle" if isinstance(other, dict) and other.get("service") == "gaggle" else "another program"
+    except (OSError, ValueError):
+        who = "another program"
+    return (f"port {port} on {host} is in use by {who}: stop it, or start this one with another port "
+            f"(gaggle up --port N; make up ARGS='--port N')")
+
+
+def bind_failed(log_path: Path, since: int = 0, tail_bytes: int = 8192) -> bool:
+    """The log's last lines, written after ``since``, say a bind failed because the address is in use
+    (uvicorn's "[Errno 98] ... address already in use")."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(since, f.seek(0, os.SEEK_END) - tail_bytes))
+            tail = f.read().decode(errors="replace").lower()
+    except OSError:
+        return False
+    return "address already in use" in tail
 
 
 def default_api_workers() -> int:

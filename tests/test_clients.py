@@ -191,6 +191,57 @@ def test_tool_round_trip_streaming_and_not(client):
         assert text
 
 
+def assembled_chat_stream(client, **body) -> tuple[str | None, list, str]:
+    """A streamed chat reply put together as a client does: (content, calls, finish_reason); every chunk says
+    something (no empty deltas)."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        assert delta.content or delta.tool_calls or delta.role or choice.finish_reason, chunk
+        content += delta.content or ""
+        calls += [(tc.function.name, tc.function.arguments) for tc in delta.tool_calls or ()]
+        finish = choice.finish_reason or finish
+    return content or None, calls, finish
+
+
+@pytest.mark.parametrize("max_tokens", [200, 14])  # 14: max_tokens cuts the first call
+def test_streamed_tool_calls_assemble_to_exactly_the_whole_reply(client, max_tokens):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris, and 2 + 3?"}],
+            "tools": [WEATHER, ADD], "tool_choice": "required", "max_tokens": max_tokens}
+    most_calls = 0
+    for seed in range(6):
+        whole = client.chat.completions.create(seed=seed, **body).choices[0]
+        calls = [(tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls or ()]
+        assert assembled_chat_stream(client, seed=seed, **body) == (whole.message.content or None, calls,
+                                                                    whole.finish_reason)
+        assert "<tool_call" not in (whole.message.content or "") and "</tool_call" not in (whole.message.content or "")
+        most_calls = max(most_calls, len(calls))
+        if max_tokens == 14:
+            assert whole.finish_reason == "length" and not calls
+    if max_tokens == 200:
+        assert most_calls >= 2  # parallel calls were among them: what lies between them is not content
+
+
+def test_streamed_responses_with_tools_have_the_whole_responses_items(client):
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **ADD["function"]}]
+    body = {"model": MODEL, "input": "Weather in Paris, and 2 + 3?", "tools": tools, "tool_choice": "required",
+            "max_output_tokens": 200}
+
+    def items(response) -> list:
+        return [(o.type, o.name, o.arguments) if o.type == "function_call" else (o.type, o.content[0].text)
+                for o in response.output]
+    for seed in range(3):
+        whole = client.responses.create(extra_body={"seed": seed}, **body)
+        with client.responses.stream(extra_body={"seed": seed}, **body) as s:
+            for _ in s:
+                pass
+            streamed = s.get_final_response()
+        assert items(streamed) == items(whole) and all(kind == "function_call" for kind, *_ in items(whole))
+
+
 def test_tools_and_their_results_are_in_the_prompt(service):
     """The documented prompt format, read back through /tokenize with messages."""
     history = [{"role": "user", "content": "2 + 3?"},

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +17,6 @@ import pytest
 from tests.queue_helpers import ONE_THREAD, REPO
 from worker.procs import descendants, is_alive
 from worker.redis_server import free_port
-
 
 
 @pytest.mark.slow
@@ -212,3 +213,53 @@ def test_a_child_restarted_five_times_in_two_minutes_is_a_crash_loop():
     assert child.crash_looping(float(CRASH_LOOP_RESTARTS))
     spaced = Child(name="worker", cmd=[])  # restarts spread wider than the window are not a loop
     assert not any(spaced.crash_looping(t * CRASH_LOOP_WINDOW_S / 2) for t in range(3 * CRASH_LOOP_RESTARTS))
+
+
+def run_up(tmp_path, port: int, model: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli.main", "up", "--device", "cpu", "--port", str(port),
+                           "--model", model, "--data-dir", str(tmp_path / "data")], cwd=REPO,
+                          env={**os.environ, **ONE_THREAD}, capture_output=True, text=True, timeout=60)
+
+
+def test_a_port_taken_by_another_program_stops_gaggle_up_at_once(tmp_path, tiny_model_path):
+    port = free_port()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        done = run_up(tmp_path, port, str(tiny_model_path))
+    assert done.returncode == 2, done.stderr
+    assert f"port {port} on 127.0.0.1 is in use by another program" in done.stderr
+    assert "gaggle is up" not in done.stdout
+    assert not (tmp_path / "data" / "redis").exists()  # nothing was started
+
+
+@pytest.mark.slow
+def test_another_gaggle_on_the_port_is_named_and_never_taken_for_this_one(tmp_path, tiny_model_path, redis_url):
+    """The other instance listens with SO_REUSEPORT (several API processes), which a second SO_REUSEPORT bind
+    would silently share; and while it answers /ready, a supervisor must not take it for its own API."""
+    from cli.up import Supervisor, add_up_args
+    port = free_port()
+    other = subprocess.Popen([sys.executable, "-m", "cli.main", "api", "--redis-url", redis_url, "--port", str(port),
+                              "--workers", "2"], cwd=REPO, env={**os.environ, **ONE_THREAD},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+                    assert resp.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and other.poll() is None, "the other API never answered"
+                time.sleep(0.3)
+        done = run_up(tmp_path, port, str(tiny_model_path))
+        assert done.returncode == 2, done.stderr
+        assert f"port {port} on 127.0.0.1 is in use by another gaggle" in done.stderr
+        parser = argparse.ArgumentParser()
+        add_up_args(parser)
+        args = parser.parse_args(["--port", str(port), "--data-dir", str(tmp_path / "data2")])
+        reason = Supervisor(args, str(tiny_model_path))._not_ready_reason()
+        assert reason is not None and "another service answers" in reason
+    finally:
+        os.killpg(other.pid, signal.SIGTERM)
+        other.wait(timeout=30)

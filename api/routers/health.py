@@ -1,5 +1,6 @@
 """GET /health (liveness, no Redis) and GET /ready (Redis reachable and a live worker; else why not: a worker
-warming up says its stage and count)."""
+warming up says its stage and count). Both name the service and its instance, so that ``gaggle up`` knows its
+own API from another one answering on the same port."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from api.routers.common import errors
 router = APIRouter(tags=["health"])
 
 
+SERVICE = "gaggle"
+
+
 @router.get("/health")
-async def health() -> dict:
-    return {"status": "ok"}
+async def health(request: Request) -> dict:
+    return {"status": "ok", "service": SERVICE, "instance": request.app.state.settings.instance_id}
 
 
 @router.get("/ready", responses=errors(503))
@@ -37,4 +41,5 @@ async def ready(request: Request) -> dict:
             raise OpenAIError(503, "not ready: warming up (" + "; ".join(f"{w.name}: {w.describe()}" for w in warming)
                               + ")", code="warming_up")
         raise OpenAIError(503, "not ready: no live worker heartbeat", code="no_workers")
-    return {"status": "ready", "workers": len(live)}
+    return {"status": "ready", "workers": len(live), "service": SERVICE,
+            "instance": request.app.state.settings.instance_id}
