@@ -49,6 +49,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code or ("invalid_value" if param else None))
 
 
+def model_not_found(model: str) -> OpenAIError:
+    """As OpenAI words it (and vLLM answers): 404, code model_not_found, param model."""
+    return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.", param="model",
+                       code="model_not_found")
+
+
 def not_found(what: str, ident: str) -> OpenAIError:
     return OpenAIError(404, f"no {what} with id {ident!r}", code="not_found")
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from api.errors import bad_request
+from api.errors import bad_request, model_not_found
 from api.formatting import Shape
 from api.limits import Limits
 from api.prompts import Prompt, completion_prompts, encode, fit_lengths, render_chat
@@ -58,6 +58,7 @@ class Job:
 
 async def completion_job(body: CompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
                          limits: Limits, is_async: bool = False) -> Job:
+    check_model(body.model, settings)
     check_fields(body, COMPLETION_RULES, "completions")
     n = _check_n(body.n, limits)
     if body.best_of is not None and body.best_of != n:
@@ -83,6 +84,7 @@ async def completion_job(body: CompletionRequest, tenant: str, settings: Setting
 
 async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings, tokenizer: WorldTokenizer,
                    limits: Limits, is_async: bool = False) -> Job:
+    check_model(body.model, settings)
     check_fields(body, CHAT_RULES, "chat")
     for i, message in enumerate(body.messages):
         check_fields(message, MESSAGE_RULES, "chat", f"messages[{i}].")
@@ -110,6 +112,11 @@ async def chat_job(body: ChatCompletionRequest, tenant: str, settings: Settings,
     shape = Shape(id=c.new_request_id("chatcmpl"), endpoint="chat", created=int(time.time()),
                   model=settings.model_name, n=n, include_usage=_include_usage(body), tools=tool_plan.parse)
     return _job(shape, tenant, prompts, params, bool(body.stream), is_async, settings)
+
+
+def check_model(model: str | None, settings: Settings) -> None:
+    if not settings.serves(model):
+        raise model_not_found(model)
 
 
 def _constrain(draft: Draft, constraint: Constraint | None) -> None:

@@ -9,7 +9,8 @@ import tempfile
 
 FLAG_SETTINGS = {  # argparse dest -> Settings field
     "redis_url": "redis_url", "api_keys_file": "api_keys_file", "max_queue": "max_queue",
-    "max_prompt_tokens": "max_prompt_tokens", "model_name": "model_name", "max_model_len": "max_model_len",
+    "max_prompt_tokens": "max_prompt_tokens", "model_name": "model_name",
+    "model_aliases": "model_aliases", "max_model_len": "max_model_len",
     "request_timeout": "request_timeout_s", "max_n": "max_n", "max_queue_per_tenant": "max_queue_per_tenant",
     "max_sequences_per_call": "max_sequences_per_call", "max_body_bytes": "max_body_bytes",
     "files_dir": "files_dir",
@@ -34,7 +35,7 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
 
 # The API flags a batch line is checked and answered with, as a live request: the batch worker takes them too
 # (``gaggle up`` passes the API's to it), so a line the API would refuse fails its batch's validation.
-LIMIT_FLAGS = ("--max-prompt-tokens", "--max-model-len", "--max-n", "--model-name")
+LIMIT_FLAGS = ("--max-prompt-tokens", "--max-model-len", "--max-n", "--model-name", "--model-aliases")
 
 
 def add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,8 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit")
     p.add_argument("--max-n", type=int)
     p.add_argument("--model-name", help="the model id clients see")
+    p.add_argument("--model-aliases", help="other names requests may use for the model, comma-separated (default: "
+                                           "rwkv-7; '*': any name); any other name is a 404 model_not_found")
 
 
 def export_settings(args: argparse.Namespace) -> None:

@@ -14,6 +14,8 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://localhost:6379/0"
     model_name: str = "rwkv-7"
+    # other names a request's `model` may give for it (comma-separated); "*": any name. Others: 404.
+    model_aliases: str = "rwkv-7"
     max_model_len: int = Field(1 << 20, ge=2)  # prompt + max_tokens, as the workers' engines enforce
     max_prompt_tokens: int = Field(32768, ge=1)
     max_queue: int = Field(10_000, ge=0)  # XLEN of every request stream (queued + in flight)
@@ -45,6 +47,17 @@ class Settings(BaseSettings):
     log_level: str | None = None  # set: configure logging in each API process (uvicorn --workers spawns)
     log_format: str = "json"
     instance_id: str = ""  # set by ``gaggle up`` so that it knows its own API from another on the port
+
+
+    def serves(self, model: str | None) -> bool:
+        """A request naming ``model`` is for this service's model (no model: the served one, as vLLM)."""
+        aliases = {a.strip() for a in self.model_aliases.split(",") if a.strip()}
+        return model is None or model == self.model_name or model in aliases or "*" in aliases
+
+    def model_ids(self) -> list[str]:
+        """The served name, then its aliases ("*" is not a name)."""
+        aliases = [a.strip() for a in self.model_aliases.split(",") if a.strip() not in ("", "*")]
+        return [self.model_name, *(a for a in dict.fromkeys(aliases) if a != self.model_name)]
 
 
 async def get_settings(request: Request) -> Settings:

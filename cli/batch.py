@@ -17,12 +17,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from api.base_url import add_base_url_arg, server_root
+
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
 class Client:
     def __init__(self, base_url: str, api_key: str | None):
-        self.base = base_url.rstrip("/") + "/v1"
+        self.base = server_root(base_url) + "/v1"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -75,18 +77,39 @@ def progress_line(batch: dict, started: float, tokens_at_start: int) -> str:
     width = 30
     filled = int(width * finished / total) if total else 0
     eta_text = f"{eta:,.0f} s" if eta == eta else "?"
-    return (f"\r[{'#' * filled}{'.' * (width - filled)}] {finished:,}/{total:,} (failed {failed:,})  "
-            f"{rate:,.0f} tok/s  ETA {eta_text}  {batch['status']:<11}")
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {finished:,}/{total:,} (failed {failed:,})  "
+            f"{rate:,.0f} tok/s  ETA {eta_text}  {batch['status']}")
 
 
-def wait(client: Client, batch: dict, interval_s: float = 1.0) -> dict:
+class Progress:
+    """One line redrawn in place on a terminal (the old one erased first: a shorter line leaves nothing behind);
+    elsewhere (a log, CI) a line whenever the counts change, at most every ``every_s``."""
+
+    ERASE = "\r\x1b[2K"  # to the line's start, then clear it
+
+    def __init__(self, out=None, every_s: float = 10.0) -> None:
+        self.out = out or sys.stderr
+        self.tty = self.out.isatty()
+        self.every_s = every_s
+        self.last_at, self.last_counts = float("-inf"), None
+
+    def show(self, line: str, counts: object, final: bool = False) -> None:
+        if self.tty:
+            self.out.write(self.ERASE + line + ("\n" if final else ""))
+        elif final or (counts != self.last_counts and time.monotonic() - self.last_at >= self.every_s):
+            self.out.write(line + "\n")
+            self.last_at, self.last_counts = time.monotonic(), counts
+        self.out.flush()
+
+
+def wait(client: Client, batch: dict, interval_s: float = 1.0, progress: Progress | None = None) -> dict:
+    progress = progress or Progress()
     started, tokens = time.monotonic(), (batch.get("usage") or {}).get("output_tokens", 0)
     while batch["status"] not in TERMINAL:
-        sys.stderr.write(progress_line(batch, started, tokens))
-        sys.stderr.flush()
+        progress.show(progress_line(batch, started, tokens), (batch["status"], batch.get("request_counts")))
         time.sleep(interval_s)
         batch = client.call("GET", f"/batches/{batch['id']}")
-    sys.stderr.write(progress_line(batch, started, tokens) + "\n")
+    progress.show(progress_line(batch, started, tokens), None, final=True)
     return batch
 
 
@@ -126,7 +149,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["submit", "status", "cancel", "download", "list"])
     p.add_argument("target", nargs="?", help="submit: a JSONL file; status/cancel/download: a batch id")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    add_base_url_arg(p)
     p.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY)")
     p.add_argument("--endpoint", default="/v1/chat/completions", choices=["/v1/chat/completions", "/v1/completions"])
     p.add_argument("--wait", action="store_true", help="submit: follow the batch with a progress bar until it ends")

@@ -159,6 +159,7 @@ class Supervisor:
         self.stopping = False
         self.exit_code = 0
         self.lifeline: Lifeline | None = None  # run(): every child's
+        self.model_name = args.model_name or Path(model).stem  # the id clients see and send
         self.instance = uuid.uuid4().hex  # this run's API says it on /health and /ready (GAGGLE_INSTANCE_ID)
         # the embedded Redis's restart bookkeeping (RedisServer starts it)
         self._redis_child = Child(name="redis", cmd=[], log_path=self.data_dir / "redis" / "redis.log")
@@ -178,7 +179,7 @@ class Supervisor:
             self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log",
                                        lifeline=self.lifeline))
         files = str(self.data_dir / "files")  # the Batch API's file store, shared by the API and the batch worker
-        model_name = self.args.model_name or Path(self.model).stem
+        model_name = self.model_name
         # the API's served name and limits: batch lines are checked and answered as the API would
         batch = self._python("batch-worker", "--redis-url", self.redis_url, "--files-dir", files,
                              "--model-name", model_name, *limit_args(self.args.api_args))
@@ -356,32 +357,30 @@ class Supervisor:
     def _print_banner(self) -> None:
         url = self._url()
         print(f"""
-gaggle is up: {url}/v1   (model: {self.model}; logs: {self.logs})
+gaggle is up: {url}/v1   (model: {self.model_name}, from {self.model}; logs: {self.logs})
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "any", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+       -d '{{"model": "{self.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
 
   python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
-print(c.completions.create(model='any', prompt='The goose', max_tokens=32).choices[0].text)"
+print(c.completions.create(model='{self.model_name}', prompt='The goose', max_tokens=32).choices[0].text)"
 
 Ctrl-C stops everything (workers finish their running requests first).
 """, flush=True)
 
     def shutdown(self) -> None:
         self.stopping = True
-        """In order: the API (it finishes the requests it has, up to the drain timeout, taking no new ones), then
-        the workers (they finish what runs and write its results), the batch worker (its job stops at once: a
-        batch resumes from its files), and Redis last, so every result written during the drain is kept."""
+        """In order: the batch worker (its batch stops at once: it resumes from its files), the API (it finishes
+        the requests it has, up to the drain timeout, taking no new ones), then the workers (they finish the
+        interactive requests they run and write their results; batch lines are left to the next worker), and
+        Redis last, so every result written during the drain is kept."""
         api = [c for c in self.children if c.name == "api"]
         batch = [c for c in self.children if c.name == "batch-worker"]
         workers = [c for c in self.children if c not in api and c not in batch]
         drain = self.args.drain_timeout + 15.0
-        for group, signals, timeout_s in ((api, (signal.SIGTERM,), drain), (workers, (signal.SIGTERM,), drain),
-                                          (batch, (signal.SIGTERM, signal.SIGTERM), 15.0)):  # RQ: 2nd = stop now
-            for sig in signals:
-                for child in group:
-                    child.signal(sig)
-                time.sleep(0.5 if len(signals) > 1 else 0)
+        for group, timeout_s in ((batch, 15.0), (api, drain), (workers, drain)):
+            for child in group:
+                child.signal(signal.SIGTERM)
             for child in group:
                 if not child.wait(timeout_s):
                     log.warning("child did not stop; killing", extra={"child": child.name})

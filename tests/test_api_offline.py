@@ -214,7 +214,7 @@ def test_enqueues_piling_up_while_redis_stalls_wait_for_a_connection(redis_serve
 def test_request_timeout_cancels_and_answers_504(offline, client):
     clear_queue(offline.r)
     with pytest.raises(openai.InternalServerError) as e:
-        client.completions.create(model="m", prompt="hello", max_tokens=4)
+        client.completions.create(model="rwkv-7", prompt="hello", max_tokens=4)
     assert e.value.status_code == 504 and e.value.body["type"] == "timeout"
     with httpx.stream("POST", offline.url + "/v1/chat/completions", timeout=30,
                       json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as resp:
@@ -230,7 +230,7 @@ def test_a_missed_final_message_is_found_by_polling(offline, client):
     """A worker whose PUBLISH was lost (pub/sub reconnect): the API still finds the stored result."""
     clear_queue(offline.r)
     answer = {}
-    thread = threading.Thread(target=lambda: answer.update(r=client.completions.create(model="m", prompt="hello")))
+    thread = threading.Thread(target=lambda: answer.update(r=client.completions.create(model="rwkv-7", prompt="hello")))
     thread.start()
     entry = wait_for(lambda: offline.r.xrange(DEFAULT_STREAM), 10, 0.01, "the queued request")
     req = c.QueuedRequest.decode(entry[0][1])
@@ -264,7 +264,7 @@ def test_a_request_redis_lost_fails_at_the_next_poll_not_at_its_timeout(offline,
             assert lines[-1] == "data: [DONE]" and error["code"] == "request_lost"
         else:
             with pytest.raises(openai.InternalServerError) as e:
-                client.completions.create(model="m", prompt="hello", max_tokens=4)
+                client.completions.create(model="rwkv-7", prompt="hello", max_tokens=4)
             assert e.value.status_code == 500 and e.value.body["code"] == "request_lost"
         assert time.monotonic() - t0 < TIMEOUT_S - 1  # the request timeout would answer 504 at TIMEOUT_S
         loser.join(timeout=10)
@@ -423,7 +423,7 @@ def test_no_live_worker_is_503_and_not_ready(offline, client):
                          "ready to say 503")
         assert is_openai_error(ready.json())
         with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            client.chat.completions.create(model="rwkv-7", messages=[{"role": "user", "content": "hi"}])
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"]
         assert httpx.get(offline.url + "/health").status_code == 200  # liveness does not need a worker
     finally:
@@ -440,7 +440,7 @@ def fill_queue(r) -> None:
 def test_full_queue_is_429_with_retry_after(offline, client):
     fill_queue(offline.r)
     with pytest.raises(openai.RateLimitError) as e:
-        client.completions.create(model="m", prompt="hello", max_tokens=4)
+        client.completions.create(model="rwkv-7", prompt="hello", max_tokens=4)
     assert e.value.response.headers["retry-after"] and e.value.body["type"] == "rate_limit_error"
     resp = httpx.post(offline.url + "/v1/requests", json={"endpoint": "completions", "prompt": "x"})
     assert resp.status_code == 429 and is_openai_error(resp.json())

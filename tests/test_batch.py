@@ -50,10 +50,10 @@ def write_lines(path: Path, n: int, max_tokens: int = 6, endpoint: str = "/v1/ch
                 start: int = 0) -> Path:
     lines = []
     for i in range(start, start + n):
-        body = ({"model": "m", "messages": [{"role": "user", "content": f"Question {i}"}], "max_tokens": max_tokens,
+        body = ({"model": "rwkv-7", "messages": [{"role": "user", "content": f"Question {i}"}], "max_tokens": max_tokens,
                  "seed": i, "ignore_eos": True}
                 if endpoint == "/v1/chat/completions" else
-                {"model": "m", "prompt": f"Story {i}", "max_tokens": max_tokens, "seed": i, "ignore_eos": True})
+                {"model": "rwkv-7", "prompt": f"Story {i}", "max_tokens": max_tokens, "seed": i, "ignore_eos": True})
         lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": body}))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -163,7 +163,7 @@ def test_structured_and_tool_lines_in_a_batch(stack, client, tmp_path):
         "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
     lines = []
     for i in range(12):
-        body = {"model": "m", "messages": [{"role": "user", "content": f"Q{i}"}], "max_tokens": 80, "seed": i}
+        body = {"model": "rwkv-7", "messages": [{"role": "user", "content": f"Q{i}"}], "max_tokens": 80, "seed": i}
         if i % 3 == 0:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
         elif i % 3 == 1:
@@ -413,3 +413,29 @@ def test_the_cli_submits_follows_and_downloads(stack, tmp_path):
     assert batch_id in listed.stdout
     missing = subprocess.run([*cli, "status", "batch_nope", *url], cwd=REPO, env=env, capture_output=True, text=True)
     assert missing.returncode != 0 and "404" in missing.stderr
+
+
+def test_gaggle_batch_takes_the_url_gaggle_up_prints_and_openai_base_url(stack):
+    """``--base-url`` with or without /v1, else $OPENAI_BASE_URL; off a terminal, progress comes as whole lines."""
+    path = write_lines(stack["tmp"] / "cli.jsonl", 6, max_tokens=4)
+    base = stack["api"].url
+    env = {**os.environ, "OPENAI_API_KEY": KEY_A}
+    runs = [(["--base-url", base + "/v1"], env), (["--base-url", base + "/"], env),
+            ([], {**env, "OPENAI_BASE_URL": base + "/v1"})]
+    for flags, run_env in runs:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "batch", "submit", str(path), "--wait", *flags],
+                              cwd=REPO, env=run_env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        batch = json.loads(done.stdout.split("\n", 1)[1])
+        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 6
+        assert "\r" not in done.stderr and "\x1b" not in done.stderr and "6/6" in done.stderr.splitlines()[-1]
+
+
+def test_the_base_url_is_the_server_root_however_it_is_given(monkeypatch):
+    from api.base_url import DEFAULT_SERVER, server_root
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    assert server_root() == DEFAULT_SERVER
+    for given in ("http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/"):
+        assert server_root(given) == "http://h:1"
+    monkeypatch.setenv("OPENAI_BASE_URL", "https://gaggle.example/v1")
+    assert server_root() == "https://gaggle.example" and server_root("http://h:1/v1") == "http://h:1"

@@ -477,3 +477,24 @@ def test_an_unknown_previous_response_is_a_404_naming_the_field(service):
                                                           "previous_response_id": "resp_nothing"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     assert r.json()["error"]["code"] == "response_not_found"
+
+
+def test_an_unknown_model_is_a_404_and_the_served_name_and_aliases_answer(client, service):
+    for call in (lambda m: client.completions.create(model=m, prompt="Hi", max_tokens=2),
+                 lambda m: client.chat.completions.create(model=m, messages=[{"role": "user", "content": "Hi"}],
+                                                          max_tokens=2),
+                 lambda m: client.responses.create(model=m, input="Hi", max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call("gpt-4o")
+        assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+        assert "gpt-4o" in e.value.body["message"]
+        for name in (MODEL, "rwkv-7"):
+            call(name)
+    listed = [m.id for m in client.models.list()]
+    assert listed == [MODEL, "rwkv-7"]
+    assert client.models.retrieve("rwkv-7").id == "rwkv-7"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    async_request = httpx.post(service.url + "/v1/requests", json={"endpoint": "completions", "model": "gpt-4o",
+                                                                   "prompt": "Hi", "max_tokens": 2})
+    assert async_request.status_code == 404 and async_request.json()["error"]["code"] == "model_not_found"

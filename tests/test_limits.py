@@ -41,7 +41,7 @@ def stack(redis_server, tiny_model_path):
 
 
 def completion(http: httpx.Client, **body) -> httpx.Response:
-    return http.post("/v1/completions", json={"model": "m", "prompt": "Hello there", **body})
+    return http.post("/v1/completions", json={"model": "rwkv-7", "prompt": "Hello there", **body})
 
 
 def last_entry_ids(r) -> dict[bytes, bytes]:
@@ -58,7 +58,7 @@ def test_a_schema_over_the_size_limit_is_a_400_and_nothing_is_queued(stack):
     properties = {f"field_{i:05d}": {"type": "string", "description": "d" * 64} for i in range(4000)}
     schema = {"type": "object", "properties": properties}  # ~400 KiB: over the limit, under the body's 4 MiB
     assert MAX_STRUCTURED_BYTES < len(orjson.dumps(schema)) < (4 << 20)
-    r_ = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+    r_ = http.post("/v1/chat/completions", json={"model": "rwkv-7", "messages": [{"role": "user", "content": "Hi"}],
                                                   "response_format": {"type": "json_schema", "json_schema": {
                                                       "name": "big", "schema": schema}}})
     assert r_.status_code == 400 and is_openai_error(r_.json()), r_.text[:500]
@@ -72,7 +72,7 @@ def test_min_tokens_over_the_fitted_max_tokens_is_a_400_and_nothing_is_queued(st
     """Without max_tokens a prompt gets what the context leaves it (here under 64 tokens): a min_tokens above
     that is refused at the door, not by the worker after a round trip."""
     r, http = stack
-    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+    chat = {"model": "rwkv-7", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
     assert http.post("/v1/chat/completions", json={**chat, "min_tokens": 8}).status_code == 200
     before = last_entry_ids(r)
     over = http.post("/v1/chat/completions", json={**chat, "min_tokens": MAX_MODEL_LEN})
@@ -152,7 +152,7 @@ def test_without_max_tokens_a_prompt_gets_what_the_length_leaves(stack):
     assert short["usage"] == {"prompt_tokens": 50, "completion_tokens": MAX_MODEL_LEN - 50,
                               "total_tokens": MAX_MODEL_LEN, "prompt_tokens_details": {"cached_tokens": 0}}, short
     assert short["choices"][0]["finish_reason"] == "length"
-    chat = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+    chat = http.post("/v1/chat/completions", json={"model": "rwkv-7", "messages": [{"role": "user", "content": "Hi"}],
                                                    "ignore_eos": True}).json()  # chat's default: 1,024
     assert chat["usage"]["total_tokens"] == MAX_MODEL_LEN, chat
     explicit = completion(http, prompt=prompt, max_tokens=16)  # asked for: no silent shortening

@@ -48,7 +48,7 @@ def test_gaggle_up_serves_openai_and_stops_cleanly(tmp_path):
                 time.sleep(0.5)
         assert ready, "the service never became ready"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+        chat = client.chat.completions.create(model="rwkv-7", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=8, temperature=0)
         assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
         tree |= descendants(proc.pid)
@@ -175,6 +175,54 @@ def test_a_batch_completes_through_gaggle_up(tmp_path):
         os.killpg(up.pid, signal.SIGINT)
         up.wait(timeout=90)
     assert up.returncode == 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_batch_running_stops_at_once_and_the_batch_resumes_on_the_next_start(tmp_path):
+    """The batch worker stops without waiting for its batch and the worker without waiting for batch lines (both
+    resume from Redis and the batch's files); nothing is killed; the next start finishes every line once."""
+    import json
+
+    import openai
+    port, data = free_port(), tmp_path / "data"
+    up = start_up(data, port, "--drain-timeout", "30")
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "rwkv-7", "prompt": f"Line {i}", "max_tokens": 150, "ignore_eos": True, "seed": i}}) + "\n"
+        for i in range(24))
+    try:
+        wait_ready(port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        file = client.files.create(file=("long.jsonl", lines.encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).status != "in_progress" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2.0)  # its lines are generating
+        assert client.batches.retrieve(batch.id).request_counts.completed < 24
+        os.killpg(up.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        up.wait(timeout=90)
+        stopped_in = time.monotonic() - t0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+    err = up.stderr.read()
+    assert up.returncode == 0, err[-3000:]
+    assert stopped_in < 10, stopped_in
+    assert "killing" not in err and "stop grace" not in (data / "logs" / "batch-worker.log").read_text()
+    again = start_up(data, port)
+    try:
+        wait_ready(port)
+        deadline = time.monotonic() + 240
+        while (done := client.batches.retrieve(batch.id)).status != "completed" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert done.status == "completed" and done.request_counts.completed == 24, done
+        out = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == sorted(f"c{i}" for i in range(24))
+        assert all(o["response"]["body"]["usage"]["completion_tokens"] == 150 for o in out)
+    finally:
+        os.killpg(again.pid, signal.SIGINT)
+        again.wait(timeout=90)
 
 
 def test_the_batch_worker_gets_the_apis_limits():

@@ -70,7 +70,8 @@ from engine.params import MAX_TOKEN_ID, SamplingParams
 SCHEMA_VERSION = 1
 PREFIX = "gaggle:"
 GROUP = "workers"
-PRIORITIES = ("interactive", "batch")  # read in this order
+INTERACTIVE, BATCH = "interactive", "batch"  # a request's priority: a client waits on it, or a batch-job line
+PRIORITIES = (INTERACTIVE, BATCH)  # read in this order
 ENDPOINTS = ("completions", "chat")
 DEFAULT_TENANT = "default"
 TENANTS = PREFIX + "tenants"

@@ -166,8 +166,15 @@ class Worker:
             self._shutdown()
 
     def _drain_step_done(self) -> bool:
+        """Draining ends when no interactive request is left: batch lines (hours of them, nobody waiting on a
+        connection) stay pending for the next worker, which generates them again."""
         self.reader.reading = False
         if not self.engine.has_work():
+            return True
+        waiting_on = [*self.inflight.values(), *(p.flight for p in self.preparing.values())]
+        if all(flight.request.priority == c.BATCH for flight in waiting_on):
+            log.info("drained; leaving batch lines to other workers",
+                     extra={"worker": self.cfg.name, "requests": len(self.inflight)})
             return True
         if time.monotonic() > self._drain_deadline:
             log.warning("drain timeout; leaving running requests to other workers",

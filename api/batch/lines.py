@@ -109,7 +109,7 @@ async def _parse_line(number: int, raw: bytes, batch: Batch, settings: Settings,
                         None, custom_id) from None
     req = job.requests[0]
     rid = f"{batch.id}-{number}"
-    req.id, req.priority, req.stream, req.record_text = rid, "batch", False, False
+    req.id, req.priority, req.stream, req.record_text = rid, c.BATCH, False, False
     req.deadline = float(batch.expires_at)
     req.meta = {**req.meta, "batch_id": batch.id, "custom_id": custom_id, "line": number}
     job.shape.id = f"{job.shape.id.split('-')[0]}-{batch.id.removeprefix('batch_')}-{number}"  # cmpl-…, chatcmpl-…

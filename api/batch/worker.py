@@ -91,14 +91,18 @@ class Janitor:
 
 
 class BatchWorker(Worker):
-    """RQ's worker, bounded on stopping: RQ's warm shutdown waits for the running batch (hours) and, with Redis
-    gone, retries its connection forever; after STOP_GRACE_S this process exits regardless (its work horse dies
-    with it, and the batch resumes from its files under the next batch worker)."""
+    """RQ's worker, stopping at once: a batch resumes from its files under the next batch worker, so a stop does
+    not wait for it (RQ's warm shutdown would, for hours): the work horse running it is taken down, as in RQ's
+    cold shutdown. With Redis gone RQ retries its connection forever; after STOP_GRACE_S this process exits
+    regardless."""
 
     def request_stop(self, signum, frame):
         timer = threading.Timer(STOP_GRACE_S, _exit_stopped)
         timer.daemon = True
         timer.start()
+        if self.horse_pid:  # the loop reaps it, then stops (a warm stop with nothing left to wait for)
+            log.info("batch worker stopping; its batch resumes from its files", extra={"signal": signum})
+            self.kill_horse()
         super().request_stop(signum, frame)
 
 

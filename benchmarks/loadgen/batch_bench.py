@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from api.base_url import add_base_url_arg
 from benchmarks.loadgen.cli import CHAT, COMPLETIONS, build_requests, sampling_fields
 from benchmarks.loadgen.client import build_body
 from benchmarks.loadgen.dataset import random_requests
@@ -39,7 +40,7 @@ PROGRESS_EVERY_S = 5.0
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    add_base_url_arg(p)
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or "none")
     p.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
     p.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])

@@ -17,6 +17,7 @@ import time
 
 import orjson
 
+from api.base_url import add_base_url_arg
 from benchmarks.loadgen import metrics as m
 from benchmarks.loadgen.dataset import BenchRequest, arrival_times, file_requests, random_requests
 
@@ -37,7 +38,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_engine_kind_arg(p)  # --engine-only with a synthetic engine: the served path's cost on machines without a GPU
     g = p.add_argument_group("target")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    add_base_url_arg(g)
     g.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     g.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY if set)")
     g.add_argument("--model", default=None,
