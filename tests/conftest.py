@@ -15,6 +15,25 @@ except ImportError:  # api-only environments
     torch = None
 
 
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """Leave without the interpreter's teardown once pytest has reported: Triton's nanobind bindings (loaded by
+    the interpreted kernel tests) otherwise print a page of "leaked instance" lines under the pass count, about
+    objects Triton's own caches hold at exit. Only after a whole run: the report and the status are final."""
+    if _exit_status and os.environ.get("GAGGLE_TEST_SKIP_TEARDOWN", "1") == "1":
+        import sys
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[0])
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch is not None and torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -109,6 +109,11 @@ def test_more_choices_than_a_worker_has_slots_is_a_400(stack):
     over = completion(http, max_tokens=2, n=SLOTS + 1)
     assert over.status_code == 400 and over.json()["error"]["param"] == "n", over.text
     assert f"between 1 and {SLOTS}" in over.json()["error"]["message"]
+    for n in (0, 129, 2000):  # one limit quoted, whatever the value (the schema once said 128 above 128)
+        body = {"model": "rwkv-7", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": n}
+        for refused in (completion(http, max_tokens=2, n=n), http.post("/v1/chat/completions", json=body)):
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "n", refused.text
+            assert refused.json()["error"]["message"] == f"n must be between 1 and {SLOTS}, got {n}"
 
 
 def test_a_request_the_worker_refuses_fails_as_the_clients_error(stack):

@@ -48,6 +48,19 @@ def test_the_two_set_up_commands_are_documented():
     assert "make up" in commands and "make test" in commands
 
 
+def test_make_up_installs_the_service_without_the_test_tools(tmp_path):
+    """What `make up` and `make test` would run in a fresh checkout (``make -n`` against a venv not made yet):
+    the service's venv has gaggle and the openai SDK, not lm-eval, LangChain or Selenium."""
+    def planned(target: str) -> str:
+        done = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+    up, test = planned("up"), planned("test")
+    assert "-e '.[client]'" in up and ".[test]" not in up
+    assert "-e '.[client]'" in test and "-e '.[test]'" in test
+
+
 def test_the_tour_has_the_promised_parts():
     tour = "\n".join(code for _, _, code, marked in fenced_blocks(README.read_text()) if marked)
     for part in ("completions.create", "stream=True", "/requests", "batches.create", "json_schema", "tools=",

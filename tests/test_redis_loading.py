@@ -77,6 +77,7 @@ def test_results_finished_while_redis_is_busy_are_all_delivered(tmp_path, tiny_m
             time.sleep(0.1)
         time.sleep(1.0)
         redis.Redis.from_url(server.url).script_kill()
+        _until_not_busy(r)  # the script stops at its next check, a moment after SCRIPT KILL answers
         got = wait_results(r, rids, timeout_s=60)
         expected = same_seed_tokens(tiny_weights, dict(zip(rids, prompts)), 100)
         assert all(got[rid].choices[0].token_ids == expected[rid] for rid in rids)
@@ -84,6 +85,17 @@ def test_results_finished_while_redis_is_busy_are_all_delivered(tmp_path, tiny_m
     finally:
         worker.kill()
         server.stop()
+
+
+def _until_not_busy(r: redis.Redis, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r.ping()
+            return
+        except redis.ResponseError:  # BUSY
+            assert time.monotonic() < deadline, "redis stayed busy after SCRIPT KILL"
+            time.sleep(0.05)
 
 
 def _quietly(call, *args) -> None:
