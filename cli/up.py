@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 import urllib.error
-import uuid
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,15 +179,14 @@ class Supervisor:
             self.children.append(Child(name=f"worker {name}", cmd=cmd, log_path=self.logs / f"worker-{name}.log",
                                        lifeline=self.lifeline))
         files = str(self.data_dir / "files")  # the Batch API's file store, shared by the API and the batch worker
-        model_name = self.model_name
         # the API's served name and limits: batch lines are checked and answered as the API would
         batch = self._python("batch-worker", "--redis-url", self.redis_url, "--files-dir", files,
-                             "--model-name", model_name, *limit_args(self.args.api_args))
+                             "--model-name", self.model_name, *limit_args(self.args.api_args))
         self.children.append(Child(name="batch-worker", cmd=batch, log_path=self.logs / "batch-worker.log",
                                    lifeline=self.lifeline))
         api = self._python("api", "--redis-url", self.redis_url, "--host", self.args.host, "--port",
                            str(self.args.port), "--workers", str(self.args.api_workers or default_api_workers()),
-                           "--model-name", model_name, "--files-dir", files,
+                           "--model-name", self.model_name, "--files-dir", files,
                            "--shutdown-timeout", str(self.args.drain_timeout), *self.args.api_args)
         self.children.append(Child(name="api", cmd=api, log_path=self.logs / "api.log", lifeline=self.lifeline,
                                    env={"GAGGLE_INSTANCE_ID": self.instance}))
@@ -365,7 +364,7 @@ gaggle is up: {url}/v1   (model: {self.model_name}, from {self.model}; logs: {se
   python -c "import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='none'); \\
 print(c.completions.create(model='{self.model_name}', prompt='The goose', max_tokens=32).choices[0].text)"
 
-Ctrl-C stops everything (workers finish their running requests first).
+Ctrl-C stops everything (workers finish their running requests first; batches resume on the next start).
 """, flush=True)
 
     def shutdown(self) -> None:

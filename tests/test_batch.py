@@ -3,6 +3,7 @@ processes running the tiny model on CPU. Crashes are real SIGKILLs of process gr
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -439,3 +440,26 @@ def test_the_base_url_is_the_server_root_however_it_is_given(monkeypatch):
         assert server_root(given) == "http://h:1"
     monkeypatch.setenv("OPENAI_BASE_URL", "https://gaggle.example/v1")
     assert server_root() == "https://gaggle.example" and server_root("http://h:1/v1") == "http://h:1"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_line_redraws_without_leftovers_on_a_terminal_and_as_lines_elsewhere():
+    from cli.batch import Progress
+    screen = _Terminal()
+    progress = Progress(screen)
+    for line in ("[....] 0/300  ETA ?  in_progress", "[#...] 80/300  ETA 1,234 s", "[####] 300/300  ETA 0 s"):
+        progress.show(line, line)
+    progress.show("done", None, final=True)
+    redraws = screen.getvalue().split(Progress.ERASE)
+    assert redraws[0] == "" and redraws[1:] == ["[....] 0/300  ETA ?  in_progress", "[#...] 80/300  ETA 1,234 s",
+                                                "[####] 300/300  ETA 0 s", "done\n"]
+    log = io.StringIO()
+    progress = Progress(log, every_s=0.0)
+    for counts in (1, 1, 2):
+        progress.show(f"line {counts}", counts)
+    progress.show("final", None, final=True)
+    assert log.getvalue() == "line 1\nline 2\nfinal\n"  # a line per change, no carriage returns
