@@ -268,6 +268,9 @@ class LLMEngine:
             self.clock.lap("schedule")
             return None
         self.runner.admit(batch.admitted)
+        for seq in batch.admitted:  # the step it got its slot: with "sequence finished", how fast slots refill
+            log.info("sequence admitted", extra={"request_id": seq.request_id, "index": seq.index, "slot": seq.slot,
+                                                 "step": self.clock.steps})
         self.clock.lap("schedule")
         launched = self.runner.launch(batch, lambda seqs, slots: self._write_masks(seqs, previous))
         if launched is not None:
@@ -397,6 +400,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason, text: str) -> str:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        slot = seq.slot
         self._release_sampler_slots([seq.slot])
         if self.prefix_cache is not None and reason != FinishReason.ABORT:
             self.runner.keep_finished(seq)
@@ -405,8 +409,8 @@ class LLMEngine:
         if all(s.status == Status.FINISHED for s in family):
             self._sequences.pop(seq.request_id, None)
         log.info("sequence finished", extra={"request_id": seq.request_id, "index": seq.index,
-                                             "finish_reason": reason.value,
-                                             "output_tokens": len(seq.output_token_ids)})
+                                             "finish_reason": reason.value, "output_tokens": len(seq.output_token_ids),
+                                             "slot": slot, "step": self.clock.steps})  # its slot is free from here
         return text
 
     def _release_sampler_slots(self, slots: list[int | None]) -> None:

@@ -82,6 +82,7 @@ class Scheduler:
         self.prefill_hold_tokens = prefill_hold_tokens
         self.prefill_hold_steps = prefill_hold_steps
         self._held = 0  # consecutive steps that held new prompts back
+        self.reserve = 0  # free slots only the first priority may take (the worker's interactive reserve)
         self.waiting: deque[Sequence] = deque()  # lead sequences; siblings ride along
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -112,13 +113,18 @@ class Scheduler:
             budget -= self._add_chunk(out, seq, budget)
         if self.waiting and self._hold(len(out.decodes)):
             return out
-        while self.waiting and budget > 0 and self.slots.can_allocate(1 + len(self.waiting[0].siblings)):
+        while self.waiting and budget > 0 and self.slots.can_allocate(self._slots_to_admit(self.waiting[0])):
             if not self._plan_start(self.waiting[0]):
                 break  # a checkpoint it can start from is being made this step
             seq = self.waiting.popleft()
             self._admit(seq, out)
             budget -= self._add_chunk(out, seq, budget)
         return out
+
+    def _slots_to_admit(self, lead: Sequence) -> int:
+        """Free slots admitting ``lead`` needs: its family's, and below the first priority the reserve besides
+        (a request of a later priority waits behind it: the queue is in priority order)."""
+        return 1 + len(lead.siblings) + (self.reserve if lead.request.priority > 0 else 0)
 
     def _plan_start(self, seq: Sequence) -> bool:
         """Where a waiting prompt starts (the prefix cache's plan); False: it waits a step."""

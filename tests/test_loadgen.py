@@ -223,6 +223,7 @@ def test_served_run_measures_every_request(served):
     assert metrics["total_input_tokens"] == 8 * 16
     _assert_all_metrics(metrics)
     assert result["config"]["model"] == "tiny-bench"  # the first id of /v1/models
+    assert 0 <= metrics["slot_occupancy"] <= 1 and "Slot occupancy (running / slots):" in proc.stdout
     per_process = result["client"]["per_process"]
     assert len(per_process) == 2 and result["client"]["cpu_s"] > 0
     assert 2 <= sum(p["connections"] for p in per_process) <= 8
@@ -305,6 +306,7 @@ def test_engine_only_runs_the_same_workload(served, tiny_model_path, tmp_path):
     assert metrics["total_output_tokens"] == served_result["metrics"]["total_output_tokens"] == 64
     assert metrics["total_input_tokens"] == served_result["metrics"]["total_input_tokens"]
     _assert_all_metrics(metrics)
+    assert 0 < metrics["slot_occupancy"] <= 1  # 8 requests on 8 slots: every step runs some
     ratios = result["compare"]["served_over_engine_only"]
     assert ratios["output_throughput"] == pytest.approx(
         served_result["metrics"]["output_throughput"] / metrics["output_throughput"])
@@ -410,3 +412,14 @@ def test_waves_of_a_closed_loop_are_taken_in_the_order_sent():
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert [[cell.strip() for cell in row] for row in rows] == [
         ["1", "3", "2000.0", "3000.0", "3000.0", "2000.0"], ["2", "3", "20.0", "30.0", "30.0", "20.0"]]
+
+
+def test_occupancy_reads_the_gauges_of_a_prometheus_page():
+    from benchmarks.loadgen.occupancy import FREE, RUNNING, StepOccupancy, gauges
+    page = (f"# HELP {RUNNING} x\n# TYPE {RUNNING} gauge\n{RUNNING} 750.0\n{FREE} 250.0\n"
+            f'gaggle_queue_depth{{priority="interactive",tenant="*"}} 3.0\n')
+    assert gauges(page) == {RUNNING: 750.0, FREE: 250.0}
+    steps = StepOccupancy()
+    steps.observe(4, 8, 1.0)  # half full for a second, full for three
+    steps.observe(8, 8, 3.0)
+    assert steps.mean == pytest.approx(0.875)

@@ -165,6 +165,7 @@ class Reader:
         self._delivered = 0  # entries put in the inbox (reader thread)
         self._taken = 0  # entries taken from it (main loop)
         self.interactive_reserve = 0  # free slots batch-priority entries leave to interactive ones
+        self._room = threading.Event()  # set when the main loop has room again: the reader reads at once
         self.reading = True  # False while draining
         self.last_read_empty = False  # the last completed read found every stream empty (burst mode)
         self.lapsed_owners: frozenset[str] = frozenset()  # API processes gone for OWNER_GRACE_S
@@ -305,14 +306,20 @@ class Reader:
     def set_capacity(self, free: int) -> None:
         """Entries the engine can take, counted after everything taken so far was added. Main loop only."""
         self.budget = (max(0, free), self._taken)
+        if self._want() > 0:
+            self._room.set()
 
     def _read_new(self, stop: threading.Event) -> None:
+        self._room.clear()  # before the count: room made after it wakes the wait below
         want = self._want()
         if want > 0 or time.monotonic() >= self._next_handoff_check:
             self._next_handoff_check = time.monotonic() + self.cfg.handoff_check_s
             want -= self._take_handoffs(want)
-        if want <= 0 or not self._streams.all:
-            stop.wait(0.005 if want <= 0 else self.cfg.read_block_ms / 1000)
+        if want <= 0:
+            self._room.wait(0.005)  # or until the main loop has room (a slot freed)
+            return
+        if not self._streams.all:
+            stop.wait(self.cfg.read_block_ms / 1000)
             return
         got, open_streams = 0, []
         for priority in c.PRIORITIES:  # interactive before batch; each tenant gets a share of what we can take

@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
 IDLE_RATE_S = 2.0  # no token for this long: the heartbeat's tokens/s is 0
+# Entries read ahead of the free slots, for the slots the next steps free: they wait in the engine, so a slot
+# freed in one step runs one of them at the next launch (read only once it frees, a slot idled a step or two
+# while the reader went to Redis). At most an eighth of the slots.
+LOOKAHEAD_STEPS = 2
 
 
 def unique_worker_name(device: str = "") -> str:
@@ -95,6 +99,9 @@ class Worker:
             # a 128th of the slots, and at least one where there are two (a CPU worker's 32 slots gave none)
             reserve = (max(1, engine.num_slots // 128) if engine.num_slots > 1 else 0) if engine is not None else 0
         self.reader.interactive_reserve = reserve
+        if engine is not None:  # entries read ahead wait in the engine: it leaves the reserve to sync requests too
+            engine.scheduler.reserve = reserve
+        self._finishes_per_step = 0.0  # sequences finished a step, averaged over recent steps (_lookahead)
         self.inflight: dict[str, InFlight] = {}
         # requests waiting for something done off the loop (a shared prefix state's fetch, a grammar's
         # compilation): each goes on once its future is done
@@ -229,7 +236,16 @@ class Worker:
             self.reader.set_capacity(0)
             return
         waiting = self.engine.num_unfinished - self.engine.num_running + len(self.preparing)
-        self.reader.set_capacity(self.engine.num_free_slots - waiting)
+        self.reader.set_capacity(self.engine.num_free_slots - waiting + self._lookahead())
+
+    def _lookahead(self) -> int:
+        """Entries to hold beyond the free slots: the sequences the next LOOKAHEAD_STEPS steps should finish
+        (at least one while any runs), at most an eighth of the slots."""
+        engine = self.engine
+        if not engine.num_running:
+            return 0
+        expected = int(LOOKAHEAD_STEPS * self._finishes_per_step + 0.999)
+        return min(max(1, expected), max(1, engine.num_slots // 8))
 
     # -- input ---------------------------------------------------------------------
 
@@ -476,15 +492,17 @@ class Worker:
         # launched (Writer.hold); here only what the loop itself needs: which requests the engine finished.
         if outputs:
             self.writer.hold([Outputs(outputs, time.time())])
-        inflight, tokens = self.inflight, 0
+        inflight, tokens, finished = self.inflight, 0, 0
         for out in outputs:
             tokens += len(out.token_ids)
             if out.finished:
+                finished += 1
                 flight = inflight.get(out.request_id)
                 if flight is not None:
                     flight.unfinished -= 1
                     if flight.unfinished == 0:
                         del inflight[out.request_id]
+        self._finishes_per_step = 0.9 * self._finishes_per_step + 0.1 * finished
         dt = time.perf_counter() - t0
         if outputs and dt > 0:
             self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * (len(outputs) / dt)

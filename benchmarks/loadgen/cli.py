@@ -104,9 +104,11 @@ def config_of(args: argparse.Namespace, model: str | None) -> dict:
 
 
 def run_served(args: argparse.Namespace, requests: list[BenchRequest], arrivals: list[float],
-               sampling: dict) -> tuple[str, list[m.RequestRecord], float, dict]:
+               sampling: dict) -> tuple[str, list[m.RequestRecord], float, dict, float | None]:
+    """(model, records, duration, the client's own costs, the server's mean slot occupancy or None)."""
     from benchmarks.loadgen.client import auth_headers, build_body, first_model, run_clients, send_one
     from benchmarks.loadgen.http import Endpoint, Pool
+    from benchmarks.loadgen.occupancy import OccupancySampler
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
     url = args.base_url.rstrip("/") + args.endpoint
     endpoint = Endpoint.parse(url)
@@ -121,9 +123,10 @@ def run_served(args: argparse.Namespace, requests: list[BenchRequest], arrivals:
     first = asyncio.run(initial_request())
     if not first.is_success:
         print(f"gaggle bench: the initial test request failed: {first.error}", file=sys.stderr)
-    run = run_clients(url, head, bodies, [r.prompt_len for r in requests], arrivals, args.stream, args.timeout,
-                      args.client_processes or default_client_processes(), args.max_concurrency)
-    return model, run.records, run.duration_s, run.client
+    with OccupancySampler(args.base_url, args.api_key) as occupancy:
+        run = run_clients(url, head, bodies, [r.prompt_len for r in requests], arrivals, args.stream, args.timeout,
+                          args.client_processes or default_client_processes(), args.max_concurrency)
+    return model, run.records, run.duration_s, run.client, occupancy.mean
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -134,16 +137,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sampling = sampling_fields(args)
         if args.engine_only:
             from benchmarks.loadgen.engine_only import run_engine_only
-            records, duration = run_engine_only(args, requests, arrivals, args.max_concurrency, sampling)
+            records, duration, occupancy = run_engine_only(args, requests, arrivals, args.max_concurrency, sampling)
             model, client, title = args.model, None, "Engine-only Benchmark Result"
         else:
-            model, records, duration, client = run_served(args, requests, arrivals, sampling)
+            model, records, duration, client, occupancy = run_served(args, requests, arrivals, sampling)
             title = "Serving Benchmark Result"
     except (ValueError, RuntimeError, OSError) as e:
         print(f"gaggle bench: {e}", file=sys.stderr)
         return 2
     config = config_of(args, model)
     metrics = m.compute_metrics(records, duration)
+    metrics["slot_occupancy"] = occupancy
     print(m.format_table(metrics, title, config, client))
     result = {"mode": "engine-only" if args.engine_only else "served",
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config, "metrics": metrics, "client": client}

@@ -12,6 +12,7 @@ import time
 
 from benchmarks.loadgen.dataset import BenchRequest
 from benchmarks.loadgen.metrics import RequestRecord
+from benchmarks.loadgen.occupancy import StepOccupancy
 
 
 def prompt_ids(tokenizer, req: BenchRequest) -> list[int]:
@@ -34,8 +35,9 @@ def chat_default_stop() -> list[str]:
 
 
 def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arrivals: list[float],
-                    max_concurrency: int | None, sampling: dict) -> tuple[list[RequestRecord], float]:
-    """Records of every request and the run's duration, after the engine's warm-up and one untimed request."""
+                    max_concurrency: int | None, sampling: dict) -> tuple[list[RequestRecord], float, float | None]:
+    """Records of every request, the run's duration and its mean slot occupancy, after the engine's warm-up and
+    one untimed request."""
     from engine.args import build_engine, worker_engine_config
     from engine.gc_policy import settle_heap
     from engine.params import SamplingParams
@@ -59,8 +61,9 @@ def run_engine_only(args: argparse.Namespace, requests: list[BenchRequest], arri
 
 
 def _timed_run(engine, request, prompts: list[list[int]], arrivals: list[float],
-               max_concurrency: int | None) -> tuple[list[RequestRecord], float]:
+               max_concurrency: int | None) -> tuple[list[RequestRecord], float, float | None]:
     n = len(prompts)
+    occupancy = StepOccupancy()
     records = [RequestRecord(i, prompt_tokens=len(p)) for i, p in enumerate(prompts)]
     last: dict[int, float] = {}
     next_i, num_running, num_done = 0, 0, 0
@@ -81,7 +84,9 @@ def _timed_run(engine, request, prompts: list[list[int]], arrivals: list[float],
             if next_i < n:
                 time.sleep(max(0.0, t0 + arrivals[next_i] - time.monotonic()))
             continue
+        running = engine.num_running
         outputs = engine.step()
+        occupancy.observe(running, engine.num_slots, time.monotonic() - t0 - now)
         now = time.monotonic() - t0
         for out in outputs:
             i = int(out.request_id)
@@ -97,4 +102,4 @@ def _timed_run(engine, request, prompts: list[list[int]], arrivals: list[float],
                 rec.e2e, rec.end = now - rec.start, now
                 num_running -= 1
                 num_done += 1
-    return records, max((r.end for r in records), default=0.0)
+    return records, max((r.end for r in records), default=0.0), occupancy.mean

@@ -106,6 +106,8 @@ def format_table(metrics: dict, title: str, config: dict, client: dict | None) -
               _row("Request throughput (req/s):", metrics["request_throughput"], ".2f"),
               _row("Output token throughput (tok/s):", metrics["output_throughput"], ".2f"),
               _row("Total token throughput (tok/s):", metrics["total_token_throughput"], ".2f")]
+    if metrics.get("slot_occupancy") is not None:  # mean running sequences / slots (see loadgen.occupancy)
+        lines.append(_row("Slot occupancy (running / slots):", metrics["slot_occupancy"], ".3f"))
     for key, heading, short in LATENCIES:
         lines.append(f"{heading:-^50}")
         lines.append(_row(f"Mean {short} (ms):", metrics[f"mean_{key}_ms"], ".2f"))
