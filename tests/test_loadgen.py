@@ -343,7 +343,8 @@ def batch_api(api_url, redis_server):
     log = tempfile.NamedTemporaryFile(prefix="gaggle-bench-batch-worker-", suffix=".log", delete=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GAGGLE_")}
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "--log-level", "INFO", "batch-worker",
-                             "--redis-url", redis_server.url, "--files-dir", os.path.join(REPO, ".gaggle", "files")],
+                             "--redis-url", redis_server.url, "--files-dir", os.path.join(REPO, ".gaggle", "files"),
+                             "--model-name", "tiny-bench"],  # the API's: lines name the served model
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log_path = log.name
     try:
