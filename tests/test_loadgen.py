@@ -264,6 +264,7 @@ def test_ttft_breakdown_joins_the_client_and_the_server_logs(served, tmp_path):
     text = (tmp_path / "b.md").read_text()
     assert "→ first token on the worker" in text and "→ last prompt chunk launched" in text
     assert "the worker's reader had it" in text
+    assert "Slot refill: steps from a slot freeing to its next request's admission" in text
 
 
 def test_chat_with_a_rate_and_a_concurrency_limit(api_url):

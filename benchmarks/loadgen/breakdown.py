@@ -11,7 +11,8 @@ worker had its first token (the engine: waiting, prefill, the step) → the API 
 the API's dispatch) → the client read it (SSE). The API's log stamps are rounded to the millisecond. The worker's
 part splits further (a second table): → the engine had it (the entry accepted: "request queued") → its last prompt
 chunk was launched ("prefill done": waiting for prefill budget) → its first token was folded for the writer (the
-device's steps and the loop's read-back).
+device's steps and the loop's read-back). A last table says, per worker, how many steps its freed slots waited
+for their next request (benchmarks/loadgen/refill.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import orjson
 
+from benchmarks.loadgen.refill import read_slot_log, refill_table
 from benchmarks.report import command_line, publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         if intake:
             tables.insert(0, breakdown_table(intake, INTAKE_PARTS, "Into the worker", "→ a worker took it"))
         tables.insert(0, breakdown_table(rows))
+        slot_logs = [log for log in map(read_slot_log, paths) if log is not None and log.admitted]
+        if slot_logs:
+            tables.append(refill_table(slot_logs))
     if not tables:
         print("breakdown: no logs given and the run was no closed loop: nothing to show", file=sys.stderr)
         return 2
