@@ -65,6 +65,9 @@ class NoComputeEngine:
     def has_work(self) -> bool:
         return bool(self.running)
 
+    def reserve_slots(self, n: int) -> None:
+        """Every request added runs at once here: nothing waits for a slot, so nothing to keep."""
+
     def prepare(self, request) -> None:
         """Nothing to compile: constrained requests run unconstrained here (no tokens to constrain)."""
         return None

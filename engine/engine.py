@@ -109,6 +109,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._launched is not None
 
+    def reserve_slots(self, n: int) -> None:
+        """Keep ``n`` free slots for first-priority requests: later priorities wait rather than take them."""
+        self.scheduler.reserve = n
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._sequences
 

@@ -15,6 +15,7 @@ import redis
 from tests.conftest import make_engine
 from tests.queue_helpers import (REPO, heartbeat, log_of, pending_count, request_streams, result, start_worker,
                                  submit, wait_results, wait_running)
+from tests.test_api_support import wait_for
 from worker import contract as c
 from worker.ops import Outputs, Publish, Start
 from worker.worker import Worker, WorkerConfig
@@ -312,8 +313,9 @@ def test_sigterm_drains_and_check_reflects_liveness(r, redis_url, tiny_model_pat
     check = [sys.executable, "-m", "cli.main", "worker", "--check", "--name", "drainer", "--redis-url", redis_url]
     assert wait_running(r, rids)
     assert subprocess.run(check, cwd=REPO, capture_output=True).returncode == 0
-    submit(r, "late", prompt(9), max_tokens=4)  # arrives while draining: left for others
     w.send_signal(signal.SIGTERM)
+    wait_for(lambda: '"action": "drain"' in log_of(w) or '"action":"drain"' in log_of(w), 30, 0.05, "draining")
+    submit(r, "late", prompt(9), max_tokens=4)  # arrives while draining: left for others
     assert w.wait(timeout=600) == 0
     assert all(res.status == "completed" and res.completion_tokens == 150
                for res in wait_results(r, rids, 5).values())

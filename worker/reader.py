@@ -109,6 +109,7 @@ class ReaderConfig:
     watch_interval_s: float = 0.5  # how soon an /events watcher starts receiving an async request's deltas
     route_wait_s: float = c.ROUTE_WAIT_S  # entries handed to this worker and not taken by then are put back
     handoff_check_s: float = 0.05
+    peers_interval_s: float = 0.5  # how often the other workers' heartbeats are read (peers_have_room)
 
 
 @dataclass
@@ -161,10 +162,11 @@ class Reader:
         # being added), counted against that capacity. (free capacity − inbox size raced: an entry taken
         # from the inbox but not yet counted in the capacity was read twice over, and batch lines took the
         # interactive reserve.)
-        self.budget = (0, 0)
+        self.budget = (0, 0, 0)  # (free capacity, entries taken when it was counted, of it read ahead: set_capacity)
         self._delivered = 0  # entries put in the inbox (reader thread)
         self._taken = 0  # entries taken from it (main loop)
         self.interactive_reserve = 0  # free slots batch-priority entries leave to interactive ones
+        self.peers_have_room = False  # another live worker's last heartbeat had a free slot: read nothing ahead
         self._room = threading.Event()  # set when the main loop has room again: the reader reads at once
         self.reading = True  # False while draining
         self.last_read_empty = False  # the last completed read found every stream empty (burst mode)
@@ -199,7 +201,7 @@ class Reader:
         beat, tenants = _Every(self.cfg.heartbeat_interval_s), _Every(self.cfg.tenants_interval_s)
         reclaim, audit = _Every(self.cfg.reclaim_interval_s), _Every(self.cfg.audit_interval_s)
         owners, watches = _Every(self.cfg.owners_interval_s), _Every(self.cfg.watch_interval_s)
-        tenant_count = _Every(self.cfg.new_tenant_check_s)
+        tenant_count, peers = _Every(self.cfg.new_tenant_check_s), _Every(self.cfg.peers_interval_s)
         consumers_gc = _Every(self.cfg.consumers_gc_interval_s, time.monotonic() + self.cfg.consumers_gc_interval_s)
         replayed = False
         while not stop.is_set():
@@ -214,6 +216,8 @@ class Reader:
                 if owners.due(now):
                     self._poll_owners(now)
                     self._poll_cancels()
+                if peers.due(now):
+                    self._poll_peers()
                 with self.read_lock:
                     if not replayed:
                         self._replay_own_pending()
@@ -238,6 +242,23 @@ class Reader:
             except Exception:
                 log.exception("reader thread error", extra={"worker": self.name})
                 stop.wait(0.5)
+
+    def _poll_peers(self) -> None:
+        """Whether another live worker that is not draining has a free slot: entries read ahead here would wait
+        for one of this worker's slots while that one idles (set_capacity's ``ahead`` is then not used)."""
+        names = [n.decode() for n in self.redis.zrangebyscore(c.WORKER_REGISTRY, time.time() -
+                                                               c.WORKER_REGISTRY_RETENTION_S, "+inf")]
+        names = [n for n in names if n != self.name]
+        room = False
+        for data in self.redis.mget([c.heartbeat_key(n) for n in names]) if names else ():
+            try:
+                beat = c.Heartbeat.decode(data) if data else None
+            except (ValueError, TypeError):
+                continue
+            if beat is not None and not beat.draining and beat.free_slots > 0:
+                room = True
+                break
+        self.peers_have_room = room
 
     # -- ownership --------------------------------------------------------------------------------
 
@@ -289,7 +310,7 @@ class Reader:
         self._streams = streams
 
     def _want(self) -> int:
-        free, taken = self.budget
+        free, taken, _ = self.budget
         return free - (self._delivered - taken) if self.reading else 0
 
     # -- the main loop's side ---------------------------------------------------------------------
@@ -303,9 +324,12 @@ class Reader:
         self._taken += 1
         return item
 
-    def set_capacity(self, free: int) -> None:
-        """Entries the engine can take, counted after everything taken so far was added. Main loop only."""
-        self.budget = (max(0, free), self._taken)
+    def set_capacity(self, free: int, ahead: int = 0) -> None:
+        """Entries the engine can take, counted after everything taken so far was added, and ``ahead`` more to
+        wait in the engine for the slots its next steps free: interactive ones only (a batch line read ahead
+        would be counted as started while it waits), and never a handed-over entry (it goes back to its stream
+        if no slot is free in time, for a worker that has one). Main loop only."""
+        self.budget = (max(0, free) + max(0, ahead), self._taken, max(0, ahead))
         if self._want() > 0:
             self._room.set()
 
@@ -314,7 +338,7 @@ class Reader:
         want = self._want()
         if want > 0 or time.monotonic() >= self._next_handoff_check:
             self._next_handoff_check = time.monotonic() + self.cfg.handoff_check_s
-            want -= self._take_handoffs(want)
+            want -= self._take_handoffs(max(0, want - self.budget[2]))
         if want <= 0:
             self._room.wait(0.005)  # or until the main loop has room (a slot freed)
             return
@@ -344,10 +368,10 @@ class Reader:
         self.last_read_empty = got == 0
 
     def _reserved_for(self, priority: str) -> int:
-        """Free slots that ``priority`` may not take: batch lines leave ``interactive_reserve`` slots to
+        """Capacity that ``priority`` may not take: batch lines leave ``interactive_reserve`` slots to
         synchronous requests (otherwise a batch fills every slot and a chat request waits for a whole wave
-        of batch lines to finish)."""
-        return self.interactive_reserve if priority != c.PRIORITIES[0] else 0
+        of batch lines to finish), and the read-ahead too (set_capacity)."""
+        return self.interactive_reserve + self.budget[2] if priority != c.INTERACTIVE else 0
 
     def _take(self, reply) -> int:
         n = 0

@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_DATA_BYTES = 65536  # of a dead entry's data kept for inspection
 IDLE_RATE_S = 2.0  # no token for this long: the heartbeat's tokens/s is 0
-# Entries read ahead of the free slots, for the slots the next steps free: they wait in the engine, so a slot
-# freed in one step runs one of them at the next launch (read only once it frees, a slot idled a step or two
-# while the reader went to Redis). At most an eighth of the slots.
+# Interactive entries read ahead of the free slots, for the slots the next steps free: they wait in the engine,
+# so a slot freed in one step runs one of them at the next launch (read only once it frees, a slot idled a step
+# or two while the reader went to Redis). At most an eighth of the slots.
 LOOKAHEAD_STEPS = 2
 
 
@@ -99,8 +99,8 @@ class Worker:
             # a 128th of the slots, and at least one where there are two (a CPU worker's 32 slots gave none)
             reserve = (max(1, engine.num_slots // 128) if engine.num_slots > 1 else 0) if engine is not None else 0
         self.reader.interactive_reserve = reserve
-        if engine is not None:  # entries read ahead wait in the engine: it leaves the reserve to sync requests too
-            engine.scheduler.reserve = reserve
+        if engine is not None:  # batch lines waiting in the engine leave the reserve to sync requests there too
+            engine.reserve_slots(reserve)
         self._finishes_per_step = 0.0  # sequences finished a step, averaged over recent steps (_lookahead)
         self.inflight: dict[str, InFlight] = {}
         # requests waiting for something done off the loop (a shared prefix state's fetch, a grammar's
@@ -142,6 +142,7 @@ class Worker:
             self.stop_now = True  # second signal: exit now
         else:
             self.draining = True
+            self.reader.reading = False  # at once: nothing more is read (not even ahead) from here
             self._drain_deadline = time.monotonic() + self.cfg.drain_timeout_s
         log.warning("signal received", extra={"worker": self.cfg.name, "signal": signum,
                                               "action": "exit now" if self.stop_now else "drain"})
@@ -236,13 +237,14 @@ class Worker:
             self.reader.set_capacity(0)
             return
         waiting = self.engine.num_unfinished - self.engine.num_running + len(self.preparing)
-        self.reader.set_capacity(self.engine.num_free_slots - waiting + self._lookahead())
+        self.reader.set_capacity(self.engine.num_free_slots - waiting, self._lookahead())
 
     def _lookahead(self) -> int:
         """Entries to hold beyond the free slots: the sequences the next LOOKAHEAD_STEPS steps should finish
-        (at least one while any runs), at most an eighth of the slots."""
+        (at least one while any runs), at most an eighth of the slots; none while another worker has a free
+        slot (the entry is better run there now than here later)."""
         engine = self.engine
-        if not engine.num_running:
+        if not engine.num_running or self.reader.peers_have_room:
             return 0
         expected = int(LOOKAHEAD_STEPS * self._finishes_per_step + 0.999)
         return min(max(1, expected), max(1, engine.num_slots // 8))
