@@ -259,6 +259,8 @@ class Worker:
         if self._quarantine:
             self._admit_from_quarantine()
             return
+        if self.draining:  # a read in flight when the drain began may still deliver: left pending for others
+            return
         while (item := self.reader.take()) is not None:
             self._accept(item)
 
