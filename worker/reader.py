@@ -329,7 +329,8 @@ class Reader:
         wait in the engine for the slots its next steps free: interactive ones only (a batch line read ahead
         would be counted as started while it waits), and never a handed-over entry (it goes back to its stream
         if no slot is free in time, for a worker that has one). Main loop only."""
-        self.budget = (max(0, free) + max(0, ahead), self._taken, max(0, ahead))
+        ahead = max(0, ahead)
+        self.budget = (max(0, free + ahead), self._taken, ahead)  # entries already waiting count against it
         if self._want() > 0:
             self._room.set()
 
