@@ -33,6 +33,8 @@ class Checkpoint:
     has_logits: bool
     node: Node | None = None
     shared: bool = False  # offered to the shared tier (on_shared) already, or taken from it
+    divergence: bool = False  # made where prompts leave each other's path (or taken from the shared tier)
+    superseded: bool = False  # a longer checkpoint on its path was made after it (see PrefixCache._make_room)
 
 
 @dataclass(eq=False)
@@ -195,8 +197,10 @@ class PrefixCache:
                 return node.checkpoint
             self._remove(node.checkpoint)
         self._make_room(True, nbytes)
-        cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node, shared=from_shared_tier)
+        cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node, shared=from_shared_tier,
+                        divergence=shared or from_shared_tier)
         node.checkpoint = cp
+        self._supersede_above(node)
         node.used = next(self._tick)
         self._tiers[True][id(cp)] = cp
         self._used_bytes[True] += nbytes
@@ -234,14 +238,28 @@ class PrefixCache:
 
     def _make_room(self, on_device: bool, nbytes: int) -> None:
         """Least recently used checkpoints out of a tier until ``nbytes`` more fit: the device tier's to the host
-        tier (where it has room for them), the host tier's dropped."""
+        tier (where it has room for them), the host tier's dropped. A superseded checkpoint (a longer one on its
+        path was made after it: a prompt's end once its answer's is kept, a chat turn's once the next turn's is)
+        is dropped from the device tier rather than copied to the host: every later prompt on that path starts
+        from the longer one, and the copy (a whole state over PCIe) is what moving it would cost. Divergence
+        points stay: prompts that leave the path there need them."""
         tier, cap = self._tiers[on_device], self.device_bytes if on_device else self.host_bytes
         while tier and self._used_bytes[on_device] + nbytes > cap:
             cp = next(iter(tier.values()))
-            if on_device and self.demote is not None and cp.nbytes <= self.host_bytes:
+            worth_moving = cp.divergence or not cp.superseded
+            if on_device and self.demote is not None and cp.nbytes <= self.host_bytes and worth_moving:
                 self._move_to_host(cp)
             else:
                 self._remove(cp)
+
+    @staticmethod
+    def _supersede_above(node: Node) -> None:
+        """The checkpoints on ``node``'s path above it are superseded by the one just made there."""
+        above = node.parent
+        while above is not None:
+            if above.checkpoint is not None:
+                above.checkpoint.superseded = True
+            above = above.parent
 
     def _move_to_host(self, cp: Checkpoint) -> None:
         self._make_room(False, cp.nbytes)

@@ -178,3 +178,21 @@ def test_the_default_chat_template_puts_each_turn_inside_the_next():
                 ChatMessage(role="user", content="Tell me more.")]
     after = tok.encode(render_chat(history, settings, True))
     assert after[:len(before)] == before and len(after) > len(before)
+
+
+def test_a_superseded_checkpoint_is_dropped_from_the_device_tier_not_moved_to_the_host():
+    """A prompt's end once its answer's state is kept (a longer checkpoint on its path) is dropped when pushed out
+    of the device tier; the answer's state and a divergence point (where two prompts part) move to the host."""
+    moved, released = [], []
+    c = cache(device_bytes=30, host_bytes=100, demote=lambda p: moved.append(p) or f"host:{p}",
+              release=released.append)
+    c.add([1] * 4, 10, True, lambda: "prompt")  # a prompt's end
+    c.add([1] * 4 + [7] * 4, 10, False, lambda: "answer")  # its answer's: the prompt's end is superseded
+    c.add([2] * 4, 10, True, lambda: "split", shared=True)  # a divergence point ...
+    c.add([2] * 4 + [8] * 4, 10, True, lambda: "after split")  # ... superseded, still worth keeping
+    c.add([3] * 4, 10, True, lambda: "x")
+    c.add([4] * 4, 10, True, lambda: "y")
+    assert moved == ["answer", "split"] and released == ["prompt"]
+    assert c.plan([1] * 4 + [7] * 4 + [9]).checkpoint.payload == "host:answer"
+    assert c.plan([2] * 4 + [5]).checkpoint.payload == "host:split"
+    assert c.plan([1] * 4 + [6]).checkpoint is None  # only the longer path's state was worth a copy
