@@ -96,6 +96,9 @@ class Incoming:
     read_at: float | None = None  # when the reader had it (wall clock): the breakdown splits Redis from the inbox
 
 
+PEERS_FRESH_S = 0.1  # how old the peers' view may be when it decides whether to read an entry ahead
+
+
 @dataclass
 class ReaderConfig:
     read_block_ms: int = 100
@@ -167,6 +170,7 @@ class Reader:
         self._taken = 0  # entries taken from it (main loop)
         self.interactive_reserve = 0  # free slots batch-priority entries leave to interactive ones
         self.peers_have_room = False  # another live worker's last heartbeat had a free slot: read nothing ahead
+        self._peers_at = float("-inf")  # when peers_have_room was polled
         self._room = threading.Event()  # set when the main loop has room again: the reader reads at once
         self.reading = True  # False while draining
         self.last_read_empty = False  # the last completed read found every stream empty (burst mode)
@@ -243,6 +247,13 @@ class Reader:
                 log.exception("reader thread error", extra={"worker": self.name})
                 stop.wait(0.5)
 
+    def _peer_has_room(self) -> bool:
+        """peers_have_room, polled again where it is older than PEERS_FRESH_S (a peer that just started, or just
+        freed a slot, is seen before this worker reads an entry ahead that the peer could run at once)."""
+        if time.monotonic() - self._peers_at > PEERS_FRESH_S:
+            self._poll_peers()
+        return self.peers_have_room
+
     def _poll_peers(self) -> None:
         """Whether another live worker that is not draining has a free slot: entries read ahead here would wait
         for one of this worker's slots while that one idles (set_capacity's ``ahead`` is then not used)."""
@@ -259,6 +270,7 @@ class Reader:
                 room = True
                 break
         self.peers_have_room = room
+        self._peers_at = time.monotonic()
 
     # -- ownership --------------------------------------------------------------------------------
 
@@ -310,8 +322,13 @@ class Reader:
         self._streams = streams
 
     def _want(self) -> int:
-        free, taken, _ = self.budget
-        return free - (self._delivered - taken) if self.reading else 0
+        return self._room_now()[0]
+
+    def _room_now(self) -> tuple[int, int]:
+        """(entries to read now, of them only for waiting in the engine: set_capacity's ``ahead``), from one
+        reading of the budget (the main loop replaces it while this thread reads)."""
+        free, taken, ahead = self.budget
+        return (free - (self._delivered - taken), ahead) if self.reading else (0, 0)
 
     # -- the main loop's side ---------------------------------------------------------------------
 
@@ -336,10 +353,12 @@ class Reader:
 
     def _read_new(self, stop: threading.Event) -> None:
         self._room.clear()  # before the count: room made after it wakes the wait below
-        want = self._want()
+        want, ahead = self._room_now()
+        if 0 < want <= ahead and self._peer_has_room():  # room only to read ahead, and a peer could run it now
+            want = 0
         if want > 0 or time.monotonic() >= self._next_handoff_check:
             self._next_handoff_check = time.monotonic() + self.cfg.handoff_check_s
-            want -= self._take_handoffs(max(0, want - self.budget[2]))
+            want -= self._take_handoffs(max(0, want - ahead))
         if want <= 0:
             self._room.wait(0.005)  # or until the main loop has room (a slot freed)
             return
@@ -349,7 +368,7 @@ class Reader:
         got, open_streams = 0, []
         for priority in c.PRIORITIES:  # interactive before batch; each tenant gets a share of what we can take
             streams = self._streams.rotated(priority)
-            room = want - got - self._reserved_for(priority)
+            room = want - got - self._reserved_for(priority, ahead)
             if room <= 0 or not streams:
                 continue
             open_streams += streams
@@ -368,11 +387,11 @@ class Reader:
             got = self._take(reply)
         self.last_read_empty = got == 0
 
-    def _reserved_for(self, priority: str) -> int:
+    def _reserved_for(self, priority: str, ahead: int) -> int:
         """Capacity that ``priority`` may not take: batch lines leave ``interactive_reserve`` slots to
         synchronous requests (otherwise a batch fills every slot and a chat request waits for a whole wave
         of batch lines to finish), and the read-ahead too (set_capacity)."""
-        return self.interactive_reserve + self.budget[2] if priority != c.INTERACTIVE else 0
+        return self.interactive_reserve + ahead if priority != c.INTERACTIVE else 0
 
     def _take(self, reply) -> int:
         n = 0
