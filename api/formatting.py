@@ -122,10 +122,9 @@ class Formatter:
             out["message"] = {"role": "assistant", "content": text}
             if self.shape.tools:  # as the stream of it assembles (chunk): no call markup left in the content
                 content, calls = split_calls(text, cut=finish == "length")
-                out["message"] = {"role": "assistant", "content": content or ""}
+                out["message"]["content"] = content if calls else content or ""
                 if calls:
-                    out["message"] = {"role": "assistant", "content": content,
-                                      "tool_calls": [self._tool_call(index, k, call) for k, call in enumerate(calls)]}
+                    out["message"]["tool_calls"] = [self._tool_call(index, k, call) for k, call in enumerate(calls)]
                     finish = "tool_calls" if finish == "stop" else finish
         else:
             out["text"] = text

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import orjson
 
-from benchmarks.loadgen.refill import read_slot_log, refill_table
+from benchmarks.loadgen.refill import percentile, read_slot_log, refill_table
 from benchmarks.report import command_line, publish, table
 
 PARTS = ("client → API built the request", "→ a worker took it", "→ first token on the worker",
@@ -102,11 +102,6 @@ def worker_split(details: dict, worker: dict[str, dict]) -> dict[str, tuple[floa
         took, first = took_and_first(w)
         rows[rid] = (w["queued"] - took, w["prefilled"] - w["queued"], first - w["prefilled"])
     return rows
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def breakdown_table(rows: list[tuple[float, ...]], parts: tuple[str, ...] = PARTS,

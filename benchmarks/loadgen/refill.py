@@ -64,16 +64,21 @@ def idle_slot_steps(log: SlotLog) -> int:
     return sum(last - f for f in free if f < last)
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0..1) of ``values``."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
 def refill_table(logs: list[SlotLog]) -> str:
     body = []
     for log in logs:
-        waits = sorted(refill_waits(log))
+        waits = refill_waits(log)
         if not waits:
             continue
-        pick = lambda q: waits[min(len(waits) - 1, int(q * len(waits)))]  # noqa: E731
         body.append([log.name, str(log.slots), f"{len(log.admitted):,}", f"{len(log.finished):,}",
-                     f"{sum(waits) / len(waits):.2f}", str(pick(0.5)), str(pick(0.9)), str(pick(0.99)),
-                     str(waits[-1]), f"{idle_slot_steps(log):,}"])
+                     f"{sum(waits) / len(waits):.2f}", *(str(percentile(waits, q)) for q in (0.5, 0.9, 0.99)),
+                     str(max(waits)), f"{idle_slot_steps(log):,}"])
     return table("Slot refill: steps from a slot freeing to its next request's admission",
                  ["worker log", "slots", "admitted", "finished", "mean", "p50", "p90", "p99", "max",
                   "idle slot-steps"], body)
