@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
@@ -106,6 +107,12 @@ class ModelRunner:
         self.step_events: list | None = None  # set to a list: (start, end) CUDA events of each launched step
         self.prefix_cache: PrefixCache | None = None  # make_prefix_cache
         self._staging: CheckpointSlab | None = None  # host rows checkpoints are written out from (export_checkpoint)
+        # demotions to the host tier run on a stream of their own (a PCIe copy of a whole state on the compute
+        # stream stalled the steps behind it): each device row goes back once its copy's event has passed, and
+        # each host row is read on the compute stream only after its copy's event
+        self._copy_stream = None
+        self._demoting: collections.deque[tuple[object, int]] = collections.deque()  # (event, device row)
+        self._host_ready: dict[int, object] = {}  # host row -> the event of the copy into it
         self.tunings: list = []  # autotune choices made at warm-up (engine.cuda.autotune.Tuning)
         log.info("model runner ready", extra={"backend": self.backend, "device": str(self.device),
                                               "dtype": str(self.dtype), "num_slots": self.num_slots,
@@ -168,16 +175,47 @@ class ModelRunner:
         return self._slabs[on_device]
 
     def _demote(self, payload: tuple[bool, int]) -> tuple[bool, int]:
-        """A device checkpoint's row copied to a host row (queued), the device row given back."""
+        """A device checkpoint's row copied to a host row, the device row given back once the copy has read it.
+        On CUDA the copy runs on a side stream, after what the compute stream has queued so far (the row's
+        state), overlapping the steps that follow."""
         _, row = payload
-        host = self._slab(False)
+        host, device = self._slab(False), self._slabs[True]
         host_row = host.take()
-        self._slabs[True].copy_row(row, host, host_row)
-        self._slabs[True].give(row)
+        if self.device.type != "cuda":
+            device.copy_row(row, host, host_row)
+            device.give(row)
+            return False, host_row
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            device.copy_row(row, host, host_row)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._demoting.append((done, row))
+        self._host_ready[host_row] = done
         return False, host_row
+
+    def _take_device_row(self) -> int:
+        """A free device row: those whose demotion copies have passed are given back first (waiting for the
+        oldest where no row is free otherwise)."""
+        slab = self._slabs[True]
+        while self._demoting and (self._demoting[0][0].query() or slab.num_free == 0):
+            done, row = self._demoting.popleft()
+            done.synchronize()
+            slab.give(row)
+        return slab.take()
+
+    def _host_row_ready(self, row: int) -> None:
+        """Reads of host row ``row`` queued on the compute stream from here come after the copy into it."""
+        done = self._host_ready.pop(row, None)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
 
     def _release(self, payload: tuple[bool, int]) -> None:
         on_device, row = payload
+        if not on_device:
+            self._host_ready.pop(row, None)  # a later copy into it is ordered after this one (one side stream)
         self._slab(on_device).give(row)
 
     def admit(self, seqs: list[Sequence]) -> None:
@@ -189,6 +227,8 @@ class ModelRunner:
         for s in seqs:
             if s.checkpoint is not None:
                 on_device, row = s.checkpoint.payload
+                if not on_device:
+                    self._host_row_ready(row)
                 self._slab(on_device).restore(row, self.pool, s.slot)
             elif s.params.state is not None:
                 init = self.initial_states[s.params.state]
@@ -286,6 +326,8 @@ class ModelRunner:
             for chunk in batch.prefills:
                 if chunk.end == chunk.start:  # the whole prompt from a checkpoint: its stored logits
                     on_device, stored = chunk.seq.checkpoint.payload
+                    if not on_device:
+                        self._host_row_ready(stored)
                     row = self._slab(on_device).logits[stored].to(self.device, non_blocking=True)
                 else:
                     i += 1
@@ -340,7 +382,7 @@ class ModelRunner:
         slab, slot = self._slabs[True], seq.slot
 
         def store() -> tuple[bool, int]:
-            r = slab.take()
+            r = self._take_device_row()
             slab.save(r, self.pool, slot, logits)
             return True, r
         self.prefix_cache.add(prefix, self.prefix_cache_row_bytes, logits is not None, store, root=seq.params.state,
@@ -388,7 +430,7 @@ class ModelRunner:
         slab = self._slabs[True]
 
         def store() -> tuple[bool, int]:
-            r = slab.take()
+            r = self._take_device_row()
             for dst, src in ((slab.att_shift, blob.att_shift), (slab.ffn_shift, blob.ffn_shift),
                              (slab.wkv, blob.wkv)):
                 dst[r].copy_(src)
