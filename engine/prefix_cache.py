@@ -39,7 +39,7 @@ class Checkpoint:
 
 @dataclass(eq=False)
 class Node:
-    edge: tuple[int, ...]  # the tokens from the parent to here
+    edge: list[int]  # the tokens from the parent to here (a list: compared against prompt slices, lists)
     parent: Node | None
     depth: int  # tokens from the root to the end of ``edge``
     children: dict[int, Node] = field(default_factory=dict)
@@ -285,7 +285,7 @@ class PrefixCache:
     def _root(self, key: str | None) -> Node:
         root = self._roots.get(key)
         if root is None:
-            root = self._roots[key] = Node((), None, 0)
+            root = self._roots[key] = Node([], None, 0)
         return root
 
     def _insert_path(self, tokens: list[int], root: str | None = None) -> Node:
@@ -295,7 +295,7 @@ class PrefixCache:
         while at < len(tokens):
             child = node.children.get(tokens[at])
             if child is None:
-                leaf = Node(tuple(tokens[at:]), node, len(tokens), used=tick)
+                leaf = Node(list(tokens[at:]), node, len(tokens), used=tick)
                 node.children[tokens[at]] = leaf
                 self._path_tokens += len(leaf.edge)
                 node = leaf
@@ -345,9 +345,24 @@ class PrefixCache:
                 node = parent
 
 
-def _common_prefix(edge: tuple[int, ...], tokens: list[int], at: int) -> int:
-    n = min(len(edge), len(tokens) - at)
-    i = 0
-    while i < n and edge[i] == tokens[at + i]:
-        i += 1
-    return i
+def _common_prefix(edge: list[int], tokens: list[int], at: int) -> int:
+    """How many of ``edge``'s tokens ``tokens`` repeats from ``at``. Slices are compared (in C) and the first
+    mismatch is found by halving: a chat's history is thousands of tokens, walked on every turn."""
+    n = len(edge)
+    if n <= len(tokens) - at:
+        if edge == tokens[at:at + n]:
+            return n
+    else:
+        n = len(tokens) - at
+        if edge[:n] == tokens[at:]:
+            return n
+    lo, hi = 0, n  # edge[:lo] matches; the first mismatch is before hi
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        if edge[lo:mid] == tokens[at + lo:at + mid]:
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and edge[lo] == tokens[at + lo]:
+        lo += 1
+    return lo

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.params import SamplingParams
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, _common_prefix
 from engine.sequence import Request
 from tests.conftest import make_engine
 from tests.test_engine import generated, run_all, tokens
@@ -19,6 +19,20 @@ def cache(**kw) -> PrefixCache:
     kw.setdefault("device_bytes", 1000)
     kw.setdefault("host_bytes", 0)
     return PrefixCache(min_tokens=4, **kw)
+
+
+def test_the_common_prefix_of_an_edge_and_a_prompt_is_where_they_first_differ():
+    import random
+    rng = random.Random(0)
+    for _ in range(2000):
+        edge = [rng.randrange(3) for _ in range(rng.randrange(1, 300))]
+        at = rng.randrange(0, 50)
+        tokens = [rng.randrange(3) for _ in range(at)] + edge[:rng.randrange(len(edge) + 1)]
+        tokens += [rng.randrange(3) for _ in range(rng.randrange(0, 300))]
+        expected = 0
+        while expected < len(edge) and at + expected < len(tokens) and edge[expected] == tokens[at + expected]:
+            expected += 1
+        assert _common_prefix(edge, tokens, at) == expected
 
 
 def test_a_prompt_starts_from_the_longest_checkpoint_on_its_path():
