@@ -28,21 +28,23 @@ def check_kernels() -> None:
     S, H, N, B = 6, 2, 16, 3
     C = H * N
     slots = torch.tensor([5, 0, 2])
-    for layer in (0, 1):
-        for state_dtype in (torch.float32, torch.bfloat16):
-            state = (torch.randn(S, H, N, N, generator=gen) * 0.3).to(state_dtype)
-            twin_state = state.clone()
-            vecs = [torch.randn(B, C, generator=gen) for _ in range(8)]
-            twin_vfirst = vecs[7].clone()
-            p = {n: torch.randn(C, generator=gen) for n in ("w0", "a0", "v0", "k_k", "k_a", "ln_x.weight", "ln_x.bias")}
-            p["r_k"] = torch.randn(H, N, generator=gen)
-            out, twin_out = torch.empty(B, C), torch.empty(B, C)
-            wkv7_decode(state, slots, *vecs, p, layer, 64e-5, out)
-            wkv7_decode_ref(twin_state, slots, *vecs[:7], twin_vfirst, p, layer, 64e-5, twin_out)
-            tol = 1e-5 if state_dtype == torch.float32 else 1e-2
-            assert rel(out, twin_out) < tol, ("wkv out", layer, state_dtype, rel(out, twin_out))
-            assert rel(state.float(), twin_state.float()) < tol, ("wkv state", layer, state_dtype)
-            assert torch.equal(vecs[7], twin_vfirst)
+    # the shipped launch, and heads looped within a program (the bandwidth benchmark's sweep)
+    configs = (None, {"HEADS": 2, "STAGES": 2, "num_warps": 4})
+    for layer, state_dtype, config in ((la, dt, cf) for la in (0, 1) for dt in (torch.float32, torch.bfloat16)
+                                       for cf in configs):
+        state = (torch.randn(S, H, N, N, generator=gen) * 0.3).to(state_dtype)
+        twin_state = state.clone()
+        vecs = [torch.randn(B, C, generator=gen) for _ in range(8)]
+        twin_vfirst = vecs[7].clone()
+        p = {n: torch.randn(C, generator=gen) for n in ("w0", "a0", "v0", "k_k", "k_a", "ln_x.weight", "ln_x.bias")}
+        p["r_k"] = torch.randn(H, N, generator=gen)
+        out, twin_out = torch.empty(B, C), torch.empty(B, C)
+        wkv7_decode(state, slots, *vecs, p, layer, 64e-5, out, config=config)
+        wkv7_decode_ref(twin_state, slots, *vecs[:7], twin_vfirst, p, layer, 64e-5, twin_out)
+        tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+        assert rel(out, twin_out) < tol, ("wkv out", layer, state_dtype, config, rel(out, twin_out))
+        assert rel(state.float(), twin_state.float()) < tol, ("wkv state", layer, state_dtype)
+        assert torch.equal(vecs[7], twin_vfirst)
     ln = (torch.rand(C, generator=gen) + 0.5, torch.randn(C, generator=gen))
     for width in (C, 24):  # a power of two and a masked tail
         x, shift = torch.randn(B, width, generator=gen) * 3 + 1, torch.randn(S, width, generator=gen)

@@ -75,10 +75,27 @@ def _wkv7_decode_kernel(state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_firs
                         w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out,
                         B, rkv_stride, rkv_split_stride, H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
                         IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, LARGE_BATCH: tl.constexpr,
-                        SPLIT_IN: tl.constexpr):
+                        SPLIT_IN: tl.constexpr, HEADS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """One program per (sequence, ``HEADS`` consecutive heads): with more than one, the heads are a loop that
+    Triton pipelines ``STAGES`` deep (the next head's state is loading while this one's is updated)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
     slot = tl.load(slots + b).to(tl.int64)
+    if HEADS == 1:
+        _wkv7_decode_head(state, slot, b, tl.program_id(1), r, k, v, w_lora, a_lora, v_lora, g, v_first,
+                          w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out, rkv_stride, rkv_split_stride, H, N, C, eps,
+                          IS_FIRST_LAYER, PDL, SPLIT_IN)
+    else:
+        for i in tl.range(0, HEADS, num_stages=STAGES):
+            _wkv7_decode_head(state, slot, b, tl.program_id(1) * HEADS + i, r, k, v, w_lora, a_lora, v_lora, g,
+                              v_first, w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out, rkv_stride, rkv_split_stride,
+                              H, N, C, eps, IS_FIRST_LAYER, PDL, SPLIT_IN)
+
+
+@triton.jit
+def _wkv7_decode_head(state, slot, b, h, r, k, v, w_lora, a_lora, v_lora, g, v_first,
+                      w0, a0, v0, k_k, k_a, r_k, ln_w, ln_b, out, rkv_stride, rkv_split_stride,
+                      H: tl.constexpr, N: tl.constexpr, C: tl.constexpr, eps,
+                      IS_FIRST_LAYER: tl.constexpr, PDL: tl.constexpr, SPLIT_IN: tl.constexpr):
     offs = h * N + tl.arange(0, N)
     row = b * C + offs
     # the layer's state and parameters: no kernel of this step before this one writes them
@@ -133,7 +150,8 @@ _wkv7_decode_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for
 
 
 def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lora, v_lora, g, v_first,
-                p: dict, layer: int, eps: float, out: torch.Tensor, large_batch: bool = False) -> torch.Tensor:
+                p: dict, layer: int, eps: float, out: torch.Tensor, large_batch: bool = False,
+                config: dict | None = None) -> torch.Tensor:
     """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view; ``r``,
     ``k``, ``v`` share a row stride, the other rows are contiguous. ``r``, ``k``, ``v`` may be ``[S, B, C]``:
     a split-K projection's fp32 partial sums, added here.
@@ -145,7 +163,10 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
     use_pdl = large_batch and pdl(state.device)
     kernel, extra = ((_wkv7_decode_tuned, {"launch_pdl": use_pdl}) if state.is_cuda
                      else (_wkv7_decode_kernel, {"num_warps": 4}))
-    kernel[(B, H)](
+    if config is not None:  # a benchmark's fixed choice: HEADS, STAGES, num_warps
+        kernel, extra = _wkv7_decode_kernel, {**extra, **config}
+    heads = extra.get("HEADS", 1)
+    kernel[(B, H // heads)](
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
         p["ln_x.bias"], out, B, r3.stride(1), r3.stride(0), H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
