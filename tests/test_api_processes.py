@@ -88,7 +88,8 @@ def test_a_killed_process_is_replaced_and_the_port_keeps_answering(two_process_a
         raise AssertionError(f"{e}; serving {serving_processes(api)}; api log:\n{api.log(6000)}") from None
     statuses, _ = burst(api.url, 16, 2)
     assert statuses == {202: 32} and api.proc.poll() is None, f"{statuses}; api log:\n{api.log(6000)}"
-    assert "api process died; restarting" in api.log(10**8)  # the whole log: the burst logs after it
+    whole = api.log(10**8)  # the whole log: the burst logs after it
+    assert "api process died; restarting" in whole, f"victim {victim}; api log:\n{whole[-6000:]}"
 
 
 def test_sigterm_stops_every_process(two_process_api):

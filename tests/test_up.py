@@ -208,7 +208,7 @@ def test_ctrl_c_with_a_batch_running_stops_at_once_and_the_batch_resumes_on_the_
             os.killpg(up.pid, signal.SIGKILL)
     err = up.stderr.read()
     assert up.returncode == 0, err[-3000:]
-    assert stopped_in < 10, stopped_in
+    assert stopped_in < 10, (stopped_in, err[-4000:])
     assert "killing" not in err and "stop grace" not in (data / "logs" / "batch-worker.log").read_text()
     again = start_up(data, port)
     try:
