@@ -1,12 +1,13 @@
 """Accuracy of a reduced-precision decode mode, teacher-forced: the same token streams fed one token a step
-through the fp32-state model and through the mode under test, and per position the KL divergence of the test
+through the fp32-state model with unquantized (bf16) weights and through the mode under test (bf16 state, fp8
+weights, both), and per position the KL divergence of the test
 mode's next-token distribution from the reference's and the largest logit difference.
 
 The error of a recurrent state can grow with the position (rounding accumulates in the state), so the report gives
 the KL per block of positions and the slope of a line fitted through the block means: a mode whose error grows
 shows a positive slope that is large beside the mean.
 
-    python -m benchmarks.decode_accuracy --shape 1.5b --positions 8192 --streams 8     # bf16 state vs fp32
+    python -m benchmarks.decode_accuracy --shape 1.5b --positions 8192 --streams 8     # bf16 state, fp8 weights
     python -m benchmarks.decode_accuracy --model demo --device cpu --positions 64      # smoke, the CPU model
 
 Random weights give flatter next-token distributions than a trained model: the KL of a trained checkpoint can
@@ -69,6 +70,8 @@ class Report:
                 f"{means[0]:.2e}" if means else "–", f"{means[-1]:.2e}" if means else "–", f"{per_1k:+.2e}"]
 
 
+MODES = (("bf16 state", torch.bfloat16, False), ("fp8 weights", torch.float32, True),
+         ("fp8 weights + bf16 state", torch.bfloat16, True))
 HEADER = ["KL p50", "KL p99", "KL max", "max abs Δlogit p99", "max abs Δlogit", "KL mean, first block",
           "KL mean, last block", "KL slope per 1k positions"]
 
@@ -88,9 +91,14 @@ def teacher_forced(reference, test, tokens: torch.Tensor, block: int) -> Report:
     return Report(kl, max_abs, block)
 
 
-def build(weights, device: str, state_dtype: torch.dtype, streams: int):
-    """A model over a fresh pool of ``streams`` slots (+ the CUDA model's scratch slot)."""
+def build(weights, device: str, state_dtype: torch.dtype, streams: int, fp8: bool = False):
+    """A model over a fresh pool of ``streams`` slots (+ the CUDA model's scratch slot); ``fp8``: its
+    projections and FFN quantized (``engine.quant``; on CPU computed with the dequantized weights)."""
     from engine.state import StatePool
+    if fp8:
+        weights = weights.quantized_fp8()
+        if device == "cpu":
+            weights = weights.dequantized(torch.float32)
     pool = StatePool(weights.shape, streams + 1, device, weights.tensors["emb.weight"].dtype
                      if device != "cpu" else torch.float32, state_dtype)
     if device == "cpu":
@@ -130,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tokens.to(args.device)
     reference = build(weights, args.device, torch.float32, args.streams)
     rows = []
-    for label, state_dtype in (("bf16 state", torch.bfloat16),):
-        test = build(weights, args.device, state_dtype, args.streams)
+    for label, state_dtype, fp8 in MODES:
+        test = build(weights, args.device, state_dtype, args.streams, fp8)
         report = teacher_forced(reference, test, tokens, args.block)
         rows.append([label] + report.row())
+        del test
         reference = build(weights, args.device, torch.float32, args.streams)  # fresh states for the next mode
-    body = (f"Teacher-forced against fp32 state, {name} weights: {args.streams} random token streams × "
+    body = (f"Teacher-forced against fp32 state and unquantized weights, {name} weights: {args.streams} random token streams × "
             f"{args.positions:,} positions, one token a step; KL(reference ‖ mode) in nats, per position; the trend "
             f"is a line through the means of blocks of {args.block} positions\n\n"
             + markdown_table(["mode"] + HEADER, rows))

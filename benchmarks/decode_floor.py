@@ -1,4 +1,4 @@
-"""Decode speed against its memory floor, per model shape × state dtype × batch, with each mode's accuracy.
+"""Decode speed against its memory floor, per model shape × state dtype × weights × batch, with each mode's accuracy.
 
 A decode step reads every weight once and each sequence's recurrent state once and writes the state back, so at
 the bandwidth a device-to-device copy reaches (measured in the same run) no step can be shorter than
@@ -38,7 +38,7 @@ def weight_bytes_read(weights) -> int:
     return sum(t.numel() * t.element_size() for name, t in weights.tensors.items() if name != "emb.weight")
 
 
-def measure_shape(name: str, batches: list[int], state: str, bandwidth: float) -> list[list]:
+def measure_shape(name: str, batches: list[int], state: str, weights_mode: str, bandwidth: float) -> list[list]:
     from engine.cuda.model import CudaRwkv7
     from engine.params import SamplingParams
     from engine.sampler import Sampler
@@ -46,6 +46,8 @@ def measure_shape(name: str, batches: list[int], state: str, bandwidth: float) -
 
     torch.cuda.empty_cache()
     weights = preset_weights(name)
+    if weights_mode == "fp8":
+        weights = weights.quantized_fp8()
     shape, w_bytes = weights.shape, weight_bytes_read(weights)
     slots_needed = max(batches)
     pool = StatePool(shape, slots_needed + 1, "cuda", torch.bfloat16, DTYPES[state])
@@ -62,7 +64,7 @@ def measure_shape(name: str, batches: list[int], state: str, bandwidth: float) -
         ms = cuda_time_ms(lambda: model.decode(tokens, slots))
         both = cuda_time_ms(lambda: sampler.sample(model.decode(tokens, slots), slots), iters=10)
         floor_ms = (w_bytes + 2 * b * state_bytes) / bandwidth * 1e3
-        rows.append([name, state, "bf16", f"{b:,}", f"{ms:.3f}", f"{b / ms * 1e3:,.0f}", f"{floor_ms:.3f}",
+        rows.append([name, state, weights_mode, f"{b:,}", f"{ms:.3f}", f"{b / ms * 1e3:,.0f}", f"{floor_ms:.3f}",
                      f"{b / floor_ms * 1e3:,.0f}", f"{floor_ms / ms:.2f}", f"{b / both * 1e3:,.0f}"])
         print(rows[-1], file=sys.stderr, flush=True)  # partial results survive a killed run
     del model, pool, weights, sampler
@@ -70,16 +72,25 @@ def measure_shape(name: str, batches: list[int], state: str, bandwidth: float) -
     return rows
 
 
-def accuracy(shape: str, positions: int, streams: int) -> dict[str, list[str]]:
-    """Each state dtype's KL p99 and slope against fp32 state (fp32 itself: zero by construction)."""
+def accuracy(shape: str, modes: list[tuple[str, str]], positions: int, streams: int
+             ) -> dict[tuple[str, str], list[str]]:
+    """Each (state, weights) mode's KL p99 and slope against fp32 state with bf16 weights (that mode itself:
+    zero by construction)."""
     from benchmarks.decode_accuracy import build, teacher_forced
     weights = preset_weights(shape)
     tokens = torch.randint(1, weights.shape.vocab_size, (streams, positions),
                            generator=torch.Generator().manual_seed(0)).to("cuda")
-    report = teacher_forced(build(weights, "cuda", torch.float32, streams),
-                            build(weights, "cuda", torch.bfloat16, streams), tokens, block=min(512, positions))
-    row = report.row()
-    return {"fp32": ["0 (reference)", "–"], "bf16": [row[1], row[7]]}
+    out = {("fp32", "bf16"): ["0 (reference)", "–"]}
+    for state, mode in modes:
+        if (state, mode) in out:
+            continue
+        reference = build(weights, "cuda", torch.float32, streams)
+        test = build(weights, "cuda", DTYPES[state], streams, fp8=mode == "fp8")
+        row = teacher_forced(reference, test, tokens, block=min(512, positions)).row()
+        out[(state, mode)] = [row[1], row[7]]
+        del reference, test
+        torch.cuda.empty_cache()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1.5b,2.9b,7.2b")
     ap.add_argument("--batches", default="1,256,1024")
     ap.add_argument("--states", default="fp32,bf16")
+    ap.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8 (engine.quant)")
     ap.add_argument("--accuracy-positions", type=int, default=8192, help="0: no accuracy columns")
     ap.add_argument("--accuracy-streams", type=int, default=8)
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
@@ -95,14 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     shapes = args.shapes.split(",")
     rows = []
-    for name, state in itertools.product(shapes, args.states.split(",")):
-        rows += measure_shape(name, batches, state, bandwidth)
-    acc = accuracy(shapes[0], args.accuracy_positions, args.accuracy_streams) if args.accuracy_positions else {}
+    modes = list(itertools.product(args.states.split(","), args.weights.split(",")))
+    for name, (state, mode) in itertools.product(shapes, modes):
+        rows += measure_shape(name, batches, state, mode, bandwidth)
+    acc = accuracy(shapes[0], modes, args.accuracy_positions, args.accuracy_streams) if args.accuracy_positions \
+        else {}
     for row in rows:
-        row += acc.get(row[1], ["–", "–"]) if row[0] == shapes[0] else ["–", "–"]
+        row += acc.get((row[1], row[2]), ["–", "–"]) if row[0] == shapes[0] else ["–", "–"]
     body = (f"Random weights; floor = (weight bytes + 2 × batch × state bytes) at the device-to-device copy's "
             f"{bandwidth / 1e12:.2f} TB/s (measured in the run); accuracy: teacher-forced over "
-            f"{args.accuracy_positions:,} positions × {args.accuracy_streams} streams against fp32 state "
+            f"{args.accuracy_positions:,} positions × {args.accuracy_streams} streams against fp32 state, bf16 weights "
             f"({shapes[0]} only; `benchmarks.decode_accuracy`)\n\n"
             + markdown_table(["shape", "state", "weights", "batch", "step ms", "tok/s", "floor ms", "floor tok/s",
                               "of floor", "tok/s with sampling", "KL p99", "KL slope / 1k positions"], rows))

@@ -8,7 +8,8 @@ import argparse
 import sys
 
 from cli.batch import add_batch_args, add_batch_worker_args, cmd_batch, cmd_batch_worker
-from cli.model import add_demo_model_args, add_generate_args, cmd_demo_model, cmd_generate
+from cli.model import (add_demo_model_args, add_generate_args, add_quantize_args, cmd_demo_model, cmd_generate,
+                       cmd_quantize)
 from cli.up import add_up_args, cmd_up
 from cli.worker import add_redis_arg, add_worker_args, cmd_worker
 from worker.logs import setup_logging
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-model", help="write seeded random RWKV-7 weights")
     add_demo_model_args(p)
     p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("quantize", help="write a model's projections and FFN in fp8 (half their bytes)")
+    add_quantize_args(p)
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("generate", help="generate text from a prompt in this process")
     add_generate_args(p)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import BACKENDS, DTYPES, EngineConfig
+from engine.config import BACKENDS, DTYPES, WEIGHT_MODES, EngineConfig
 from engine.params import STATE_NAME
 
 if TYPE_CHECKING:
@@ -27,7 +27,12 @@ ENGINE_FLAGS: dict[str, dict] = {
     "model": dict(help="RWKV-7 .pth file or fla-hub directory (default: a demo model with random weights)"),
     "device": dict(help="auto | cpu | cuda | cuda:N"),
     "dtype": dict(choices=DTYPES),
-    "state_dtype": dict(choices=("float32", "bfloat16")),
+    "state_dtype": dict(choices=("float32", "bfloat16"),
+                        help="the recurrent state's dtype: bfloat16 halves its bytes (faster decode at large "
+                             "batches, more sequences in memory) at a measured accuracy cost (BENCHMARKS.md)"),
+    "weights": dict(choices=WEIGHT_MODES,
+                    help="fp8: the projections and FFN in e4m3 with per-channel scales (half their bytes; CUDA "
+                         "GEMMs on fp8 tensor cores); auto: as the model file stores them"),
     "backend": dict(choices=BACKENDS),
     "max_num_seqs": dict(help=f"concurrent sequences (default {EngineConfig.max_num_seqs} on GPU, "
                               f"{CPU_MAX_NUM_SEQS} on CPU)"),
@@ -83,7 +88,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu = args.device == "cpu" or (args.device == "auto" and not _has_cuda())
         max_num_seqs = CPU_MAX_NUM_SEQS if cpu else EngineConfig.max_num_seqs
     return EngineConfig(model=model, device=args.device, dtype=args.dtype, state_dtype=args.state_dtype,
-                        backend=args.backend, max_num_seqs=max_num_seqs,
+                        weights=args.weights, backend=args.backend, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
                         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "reference", "cuda")
+WEIGHT_MODES = ("auto", "fp8")
 
 
 @dataclass
@@ -14,6 +15,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # weights: bfloat16 on CUDA, float32 on CPU
     state_dtype: str = "float32"  # wkv state
+    weights: str = "auto"  # auto: as stored (fp8 matrices of a quantized file stay fp8); fp8: quantize at load
     backend: str = "auto"  # auto = cuda kernels on a GPU, reference otherwise
     max_num_seqs: int = 256  # concurrent sequences (state slots)
     max_num_batched_tokens: int = 8192  # tokens per step: decodes + admitted prompt chunks
@@ -38,6 +40,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype must be float32 or bfloat16, got {self.state_dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_num_seqs < 1:

@@ -92,8 +92,13 @@ class ModelRunner:
         self.shape = weights.shape
         self.eos_token_ids = eos_token_ids
         self.backend = self._pick_backend()
-        self.model_fingerprint = fingerprint(weights)
         weights = weights.to(self.device, self.dtype)
+        if config.weights == "fp8":
+            weights = weights.quantized_fp8()
+        self.model_fingerprint = fingerprint(weights)  # as served: a quantized file and one quantized at load agree
+        self.weights_mode = "fp8" if weights.has_fp8 else "dtype"  # states differ between the two: cache keys
+        if weights.has_fp8 and self.backend != "cuda":  # no fp8 GEMMs here: the weights' rounding, computed wide
+            weights = weights.dequantized(self.dtype)
         self.num_slots = self._size_slots(weights)
         # one extra scratch slot: padding rows of a CUDA-graph batch write there
         self.pool = StatePool(self.shape, self.num_slots + 1, self.device, self.dtype, self.state_dtype)
@@ -391,10 +396,10 @@ class ModelRunner:
     # -- the shared tier's bytes (worker.shared_states) --------------------------------------------
 
     def state_namespace(self, root: str | None) -> str:
-        """What a checkpoint's bytes depend on besides its tokens: the weights, the numerics (backend, dtypes) and
+        """What a checkpoint's bytes depend on besides its tokens: the weights, the numerics (backend, dtypes, fp8) and
         the initial state it grew from. Workers share a checkpoint only within one namespace."""
         h = hashlib.sha256(f"{self.model_fingerprint}|{self.backend}|{self.dtype}|{self.state_dtype}|"
-                           f"{self.pool.att_shift.dtype}|float32|{root or ''}".encode())
+                           f"{self.pool.att_shift.dtype}|float32|{self.weights_mode}|{root or ''}".encode())
         if root is not None:
             init = self.initial_states[root]
             for t in (init.att_shift, init.ffn_shift, init.wkv):

@@ -3,7 +3,10 @@
 The internal layout uses the official key names with the leading ``(1, 1, C)``
 dimensions squeezed away, ``emb`` already passed through ``blocks.0.ln0`` (as
 the official package does at load), and matrices kept as ``nn.Linear``
-weights ``[out, in]``. Every shape is read from the weights.
+weights ``[out, in]``. Every shape is read from the weights. A file written by
+``gaggle quantize`` holds its projection and FFN matrices in fp8 (e4m3) with
+per-row scales beside them (``<name>.fp8_scale``, ``engine.quant``): they are
+kept so, in ``tensors`` under the same two names.
 """
 
 from __future__ import annotations
@@ -63,11 +66,43 @@ class Rwkv7Weights:
         return self.tensors[f"blocks.{i}.{name}"]
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "Rwkv7Weights":
-        """Cast floating weights to ``dtype``; decay-path vectors stay fp32 (they feed exp())."""
+        """Cast floating weights to ``dtype``; decay-path vectors and fp8 scales stay fp32 (they feed exp(), they
+        scale fp32 sums); fp8 matrices stay fp8."""
+        from engine.quant import FP8, SCALE_SUFFIX
         keep_fp32 = re.compile(r"att\.(w0|k_k|k_a|r_k|ln_x\.weight|ln_x\.bias)$")
         out = {}
         for k, t in self.tensors.items():
-            out[k] = t.to(device=device, dtype=torch.float32 if keep_fp32.search(k) else dtype)
+            if t.dtype == FP8:
+                out[k] = t.to(device=device)
+            else:
+                fp32 = keep_fp32.search(k) or k.endswith(SCALE_SUFFIX)
+                out[k] = t.to(device=device, dtype=torch.float32 if fp32 else dtype)
+        return Rwkv7Weights(self.shape, out)
+
+    @property
+    def has_fp8(self) -> bool:
+        from engine.quant import FP8
+        return any(t.dtype == FP8 for t in self.tensors.values())
+
+    def quantized_fp8(self) -> "Rwkv7Weights":
+        """The projection and FFN matrices in fp8 with per-row scales (``engine.quant``), one matrix at a time
+        (on a GPU the bf16 copy of each goes as its fp8 one is made); the rest as is."""
+        from engine.quant import FP8, SCALE_SUFFIX, is_quantized_name, quantize_rows
+        out = dict(self.tensors)
+        for k in list(out):
+            if is_quantized_name(k) and out[k].dtype != FP8:
+                out[k], out[k + SCALE_SUFFIX] = quantize_rows(out.pop(k))
+        return Rwkv7Weights(self.shape, out)
+
+    def dequantized(self, dtype: torch.dtype) -> "Rwkv7Weights":
+        """fp8 matrices back to ``dtype`` (what a backend without fp8 GEMMs computes with: the weights' rounding,
+        not the activations')."""
+        from engine.quant import FP8, SCALE_SUFFIX, dequantize_rows
+        out = {}
+        for k, t in self.tensors.items():
+            if k.endswith(SCALE_SUFFIX):
+                continue
+            out[k] = dequantize_rows(t, self.tensors[k + SCALE_SUFFIX], dtype) if t.dtype == FP8 else t
         return Rwkv7Weights(self.shape, out)
 
 
@@ -179,6 +214,8 @@ def _to_internal(raw: dict[str, torch.Tensor], source: str, ln_x_eps: float) -> 
     t: dict[str, torch.Tensor] = {}
     for key, expected in _expected_shapes(shape).items():
         t[key] = _take(raw, key, expected, source)
+        if t[key].dtype == torch.float8_e4m3fn:
+            t[key + ".fp8_scale"] = _take_fp8_scale(raw, key, source)
     emb = t.pop("emb.weight").float()
     t["emb.weight"] = F.layer_norm(emb, (shape.n_embd,), t.pop("blocks.0.ln0.weight").float(),
                                    t.pop("blocks.0.ln0.bias").float())
@@ -250,6 +287,19 @@ def _expected_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
         shapes[p + "ffn.key.weight"] = (s.dim_ffn, C)
         shapes[p + "ffn.value.weight"] = (C, s.dim_ffn)
     return shapes
+
+
+def _take_fp8_scale(raw: dict, key: str, source: str) -> torch.Tensor:
+    """The per-row scales of an fp8 matrix of a quantized file; only the matrices fp8 mode quantizes may be fp8."""
+    from engine.quant import SCALE_SUFFIX, is_quantized_name
+    if not is_quantized_name(key):
+        raise ModelFormatError(f"{source}: '{key}' is fp8, but only the projection and FFN matrices may be")
+    scale = raw.get(key + SCALE_SUFFIX)
+    rows = raw[key].shape[0]
+    if scale is None or scale.numel() != rows or not scale.is_floating_point():
+        raise ModelFormatError(f"{source}: the fp8 matrix '{key}' needs its scales '{key}{SCALE_SUFFIX}' "
+                               f"({rows} floats)")
+    return scale.reshape(rows).float()
 
 
 def _take(raw: dict, key: str, expected: tuple[int, ...], source: str) -> torch.Tensor:

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.quant import FP8, GEMM_MULTIPLE, Fp8Matrix
+
 DECAY_SCALE = 0.606531  # exp(-0.5)
 
 
@@ -290,18 +292,20 @@ PACK_NONE, PACK_TIME_MIX_IN, PACK_LORA_UP = 0, 1, 2
 
 
 @triton.jit
-def _small_matmul_kernel(x, w, out, res, M, N, K, sxs, sxg, sxm, sos, sog, som,
+def _small_matmul_kernel(x, w, out, res, w_scale, M, N, K, sxs, sxg, sxm, sos, sog, som,
                          ACT: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLIT: tl.constexpr = 1, SPLIT_IN: tl.constexpr = 0,
                          PACK: tl.constexpr = 0, GC: tl.constexpr = 0, R0: tl.constexpr = 0, R1: tl.constexpr = 0,
-                         R2: tl.constexpr = 0):
+                         R2: tl.constexpr = 0, SCALED: tl.constexpr = False):
     """``out[g] = act(x[g] @ w[g]ᵀ) (+ res)`` for a few rows: weight-streaming, one read of ``w``.
     ``SPLIT``: split-K, program (n, g, s) writes the fp32 partial sum over its K/SPLIT slice to ``out[s, g]``
     (with ACT_NONE, no residual: the consumer adds the partials up). ``SPLIT_IN`` ≥ 1: ``x`` is such partials
     (summed here; with PACK 2, the LoRA activations applied).
     ``PACK``: the time mix's input projections, each at its own size, in one launch (``time_mix_in``,
-    ``lora_up``): r/k/v (GC rows each) and the four LoRAs (ranks R0..R3)."""
+    ``lora_up``): r/k/v (GC rows each) and the four LoRAs (ranks R0..R3).
+    ``SCALED``: ``w`` is fp8 with one fp32 scale per output row (``w_scale``, ``engine.quant``): its tiles are
+    widened to ``x``'s dtype for the dot and each column of the sum is scaled once, before the activation."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -336,12 +340,17 @@ def _small_matmul_kernel(x, w, out, res, M, N, K, sxs, sxg, sxm, sos, sog, som,
                 xt = tl.where(g == 0, 2.0 * tl.sigmoid(2.0 * xt) - 1.0, tl.where(g == 3, tl.sigmoid(xt), xt))
             xt = xt.to(w.dtype.element_ty)  # rounded as the unsplit projection's output
         wt = tl.load(w_base + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if SCALED:
+            wt = wt.to(xt.dtype)
         if UPCAST:  # Triton's CPU interpreter computes bf16 dots wrongly: it gets fp32 tiles
             acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
         elif IEEE:  # fp32 weights: no TF32 rounding
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(wt), acc)
+    if SCALED:  # packed (PACK 1): the scales follow the packed rows; grouped: group g's rows
+        scale_base = w_scale + offs_n if PACK == 1 else w_scale + g * N + offs_n
+        acc = acc * tl.load(scale_base, mask=n_mask, other=0.0)[None, :]
     if ACT == 1:
         acc = tl.maximum(acc, 0.0)
         acc = acc * acc
@@ -358,7 +367,7 @@ _small_matmul_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
              for n, k, s, w in ((64, 128, 3, 4), (64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 4), (16, 256, 4, 4),
                                 (16, 512, 4, 4))],
-    key=["N", "K", "BLOCK_M", "PACK", "SPLIT", "SPLIT_IN"])(_small_matmul_kernel)
+    key=["N", "K", "BLOCK_M", "PACK", "SPLIT", "SPLIT_IN", "SCALED"])(_small_matmul_kernel)
 
 SMALL_MATMUL_MAX_ROWS = 16  # decode batches up to this use the weight-streaming kernel instead of cuBLAS
 LORA_RANK_MULTIPLE = 64  # packed LoRA ranks are padded to this (a multiple of every BLOCK_N)
@@ -387,23 +396,35 @@ def split_k(rows: int, K: int, device: torch.device) -> int:
 
 def _launch_small_matmul(x, w, out, res, M: int, N: int, K: int, G: int, x_strides: tuple[int, int, int],
                          out_strides: tuple[int, int, int], split: int = 1, **flags) -> None:
-    args = (x, w, out, res, M, N, K, *x_strides, *out_strides)
-    flags.update(IEEE=w.dtype == torch.float32, UPCAST=not x.is_cuda, BLOCK_M=16, SPLIT=split)
+    """``w``: a tensor, or an ``engine.quant.Fp8Matrix`` (fp8 rows, their scales)."""
+    w, scale = (w.q, w.scale) if isinstance(w, Fp8Matrix) else (w, None)
+    args = (x, w, out, res, scale if scale is not None else out, M, N, K, *x_strides, *out_strides)
+    flags.update(IEEE=w.dtype == torch.float32, UPCAST=not x.is_cuda, BLOCK_M=16, SPLIT=split,
+                 SCALED=scale is not None)
     if x.is_cuda:
         _small_matmul_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), G, split)](*args, **flags)
     else:  # the interpreter: one fixed configuration
         _small_matmul_kernel[(triton.cdiv(N, 16), G, split)](*args, **flags, BLOCK_N=16, BLOCK_K=64)
 
 
-def small_matmul(x: torch.Tensor, w: torch.Tensor, act: int = ACT_NONE, residual: torch.Tensor | None = None,
+def _unsqueezed(w):
+    return Fp8Matrix(w.q[None], w.scale) if isinstance(w, Fp8Matrix) else w[None]
+
+
+def _contiguous(w) -> bool:
+    return (w.q if isinstance(w, Fp8Matrix) else w).is_contiguous()
+
+
+def small_matmul(x: torch.Tensor, w, act: int = ACT_NONE, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped ``act(x[g] @ w[g].T) + residual`` for at most 16 rows. ``x``: [G, M, K] or [M, K] (rows
-    contiguous); ``w``: [G, N, K] or [N, K] contiguous (nn.Linear layout); ``residual``: [M, N]."""
+    contiguous); ``w``: [G, N, K] or [N, K] contiguous (nn.Linear layout), or an ``Fp8Matrix`` [N, K];
+    ``residual``: [M, N]."""
     squeeze = x.dim() == 2
-    x3, w3 = (x[None], w[None]) if squeeze else (x, w)
+    x3, w3 = (x[None], _unsqueezed(w)) if squeeze else (x, w)
     G, M, K = x3.shape
     N = w3.shape[1]
-    assert M <= SMALL_MATMUL_MAX_ROWS and x3.stride(2) == 1 and w3.is_contiguous()
+    assert M <= SMALL_MATMUL_MAX_ROWS and x3.stride(2) == 1 and _contiguous(w3)
     if out is None:
         out = torch.empty(G, M, N, dtype=x.dtype, device=x.device)
     out3 = out[None] if out.dim() == 2 else out
@@ -418,11 +439,47 @@ def small_matmul_partials(x: torch.Tensor, w: torch.Tensor, split: int) -> torch
     ``[split, M, N]`` — more programs stream the weights; the consumer adds them up (``ln_shift_mix``)."""
     M, K = x.shape
     N = w.shape[0]
-    assert M <= SMALL_MATMUL_MAX_ROWS and x.stride(1) == 1 and w.is_contiguous()
+    assert M <= SMALL_MATMUL_MAX_ROWS and x.stride(1) == 1 and _contiguous(w)
     out = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     _launch_small_matmul(x, w, out, out, M, N, K, 1, (0, 0, x.stride(0)), (out.stride(0), 0, N), split,
                          ACT=ACT_NONE, HAS_RES=False)
     return out
+
+
+@triton.jit
+def _quantize_rows_kernel(x, q, scale, M, K, sxm, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``m`` of ``x`` (after ``ACT``) in fp8 with its scale, ``max|row| / 448``; rows past ``M`` (the GEMM's
+    padding) are zeros with scale 1."""
+    m = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    width = tl.where(m < M, K, 0)  # a padding row reads nothing
+    v = tl.load(x + m.to(tl.int64) * sxm + offs, mask=offs < width, other=0.0).to(tl.float32)
+    if ACT == 1:
+        v = tl.maximum(v, 0.0)
+        v = v * v
+    amax = tl.max(tl.abs(v), axis=0)
+    # IEEE-rounded divisions (Triton's ``/`` is approximate): the bytes of ``engine.quant.quantize_rows``
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    tl.store(q + m.to(tl.int64) * K + offs, tl.math.div_rn(v, s).to(q.dtype.element_ty), mask=offs < K)
+    tl.store(scale + m, s)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Matrix, act: int = ACT_NONE, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """``act(x) @ wᵀ`` on fp8 tensor cores: ``x`` [M, K] quantized per row in one launch (``act`` applied
+    first: the FFN's relu² fused into its value projection's input), one ``torch._scaled_mm`` with both scales
+    (rows padded to 16 there, dropped here)."""
+    M, K = x.shape
+    Mp = -(-M // GEMM_MULTIPLE) * GEMM_MULTIPLE
+    assert x.stride(1) == 1
+    q = torch.empty(Mp, K, dtype=FP8, device=x.device)
+    scale = torch.empty(Mp, dtype=torch.float32, device=x.device)
+    BLOCK = triton.next_power_of_2(K)
+    _quantize_rows_kernel[(Mp,)](x, q, scale, M, K, x.stride(0), ACT=act, BLOCK=BLOCK,
+                                 num_warps=min(16, max(4, BLOCK // 512)))
+    y = torch._scaled_mm(q, w.q.t(), scale_a=scale[:, None], scale_b=w.scale[None, :],
+                         out_dtype=out_dtype or x.dtype)
+    return y[:M] if Mp != M else y
 
 
 def pack_time_mix_in(rkv: list[torch.Tensor], down: list[torch.Tensor], up: list[torch.Tensor]

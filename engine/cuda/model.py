@@ -33,9 +33,11 @@ from engine.cuda.graphs import DecodeGraphs
 from engine.cuda.prefill_graphs import PrefillBucket, PrefillGraphs, PrefillInputs
 from engine.cuda.varlen import PackedChunks
 from engine.device import to_device
-from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, ln_shift_mix, lora_up, pack_time_mix_in,
-                                 prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out, relu_square_, small_matmul,
-                                 small_matmul_partials, split_k, time_mix_in, wkv7_decode)
+from engine.quant import SCALE_SUFFIX, Fp8Matrix, quantize_rows
+from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, fp8_linear, ln_shift_mix, lora_up,
+                                 pack_time_mix_in, prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out,
+                                 relu_square_, small_matmul, small_matmul_partials, split_k, time_mix_in,
+                                 wkv7_decode)
 from engine.scoring import score_positions
 from engine.sequence import TokenLogprob
 from engine.state import StatePool
@@ -53,15 +55,15 @@ class Layer:
     ln1: tuple[torch.Tensor, torch.Tensor]
     ln2: tuple[torch.Tensor, torch.Tensor]
     att_mix: torch.Tensor  # [7, C]
-    rkv: torch.Tensor  # [3, C, C] (out, in): a view of time_mix_in
+    rkv: torch.Tensor | tuple[Fp8Matrix, ...]  # [3, C, C] (out, in): a view of time_mix_in; fp8: r, k, v
     lora_down: torch.Tensor  # [4, D, C] zero-padded to the largest rank (out, in): cuBLAS batches
     lora_up: torch.Tensor  # [4, C, D]
     time_mix_in: tuple  # (r, k, v, LoRA downs [3C + R, C]; LoRA ups flat; ranks): the small-batch kernels'
     splits: tuple[int, int, int]  # split-K of the small-batch time_mix_in, output and FFN value projections
-    output: torch.Tensor  # [C, C] (out, in)
+    output: torch.Tensor | Fp8Matrix  # [C, C] (out, in)
     ffn_mix: torch.Tensor  # [1, C]
-    ffn_key: torch.Tensor  # [F, C]
-    ffn_value: torch.Tensor  # [C, F]
+    ffn_key: torch.Tensor | Fp8Matrix  # [F, C]
+    ffn_value: torch.Tensor | Fp8Matrix  # [C, F]
     p: dict  # vectors for the wkv kernel: w0 a0 v0 k_k k_a r_k ln_x.weight ln_x.bias
 
 
@@ -75,7 +77,7 @@ class CudaRwkv7:
         self.pool = pool
         self.eps = s.ln_x_eps
         t = weights.tensors
-        self.dtype = t["blocks.0.att.receptance.weight"].dtype
+        self.dtype = t["head.weight"].dtype  # the activations' (the projections may be fp8)
         self.emb = t["emb.weight"].to(self.dtype)
         self.ln_out = (t["ln_out.weight"], t["ln_out.bias"])
         self.head = t["head.weight"]
@@ -101,18 +103,28 @@ class CudaRwkv7:
         for j, (x, r) in enumerate(zip(LORA_ORDER, ranks)):
             if r:  # official layout is (in, out): x @ w1 @ w2
                 down[j, :r], up[j, :, :r] = p(f"att.{x}1").t(), p(f"att.{x}2").t()
-        packed = pack_time_mix_in([p(f"att.{n}.weight") for n in ("receptance", "key", "value")],
-                                  [down[j, :r] for j, r in enumerate(ranks)], [up[j, :, :r] for j, r in enumerate(ranks)])
+        downs, ups = [down[j, :r] for j, r in enumerate(ranks)], [up[j, :, :r] for j, r in enumerate(ranks)]
+        names = [f"blocks.{i}.att.{n}.weight" for n in ("receptance", "key", "value")]
+        if names[0] + SCALE_SUFFIX in t:  # fp8: r/k/v rows, then the LoRA downs quantized too
+            packed_downs, packed_up, packed_ranks = pack_time_mix_in([], downs, ups)
+            dq, ds = quantize_rows(packed_downs)
+            rkv_in = Fp8Matrix(torch.cat([t[n] for n in names] + [dq]).contiguous(),
+                               torch.cat([t[n + SCALE_SUFFIX] for n in names] + [ds]).contiguous())
+            packed = (rkv_in, packed_up, packed_ranks)
+            rkv = tuple(rkv_in.rows(j * C, (j + 1) * C) for j in range(3))
+        else:
+            packed = pack_time_mix_in([t[n] for n in names], downs, ups)
+            rkv = packed[0][:3 * C].view(3, C, C)
         vec = {n: p(f"att.{n}") for n in ("w0", "a0", "k_k", "k_a", "r_k", "ln_x.weight", "ln_x.bias")}
         vec["v0"] = p("att.v0") if i > 0 else vec["a0"]
         return Layer(
             ln1=(p("ln1.weight"), p("ln1.bias")), ln2=(p("ln2.weight"), p("ln2.bias")),
             att_mix=torch.stack([p(f"att.x_{x}") for x in ATT_MIX_ORDER]).to(dt).contiguous(),
-            rkv=packed[0][:3 * C].view(3, C, C), lora_down=down, lora_up=up, time_mix_in=packed,
-            output=p("att.output.weight"), splits=(split_k(packed[0].shape[0], C, dev), split_k(C, C, dev),
-                                                   split_k(C, 4 * C, dev)),
-            ffn_mix=p("ffn.x_k").to(dt)[None].contiguous(), ffn_key=p("ffn.key.weight"),
-            ffn_value=p("ffn.value.weight"), p=vec)
+            rkv=rkv, lora_down=down, lora_up=up, time_mix_in=packed,
+            output=_matrix(t, f"blocks.{i}.att.output.weight"),
+            splits=(split_k(packed[0].shape[0], C, dev), split_k(C, C, dev), split_k(C, 4 * C, dev)),
+            ffn_mix=p("ffn.x_k").to(dt)[None].contiguous(), ffn_key=_matrix(t, f"blocks.{i}.ffn.key.weight"),
+            ffn_value=_matrix(t, f"blocks.{i}.ffn.value.weight"), p=vec)
 
     # -- decode ----------------------------------------------------------------------
 
@@ -143,7 +155,7 @@ class CudaRwkv7:
             rkv, up = self._time_mix_projections(L, att_mixed)
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
                         L.p, i, self.eps, att, large_batch=True)
-            x.addmm_(att, L.output.t())
+            _add_linear_(x, att, L.output)
             ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=True)
             self._channel_mix(L, ffn_mixed[0], x)
         return self._head(self._normed(x))
@@ -177,11 +189,18 @@ class CudaRwkv7:
         lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
         lo[0].tanh_()
         lo[3].sigmoid_()
-        return torch.bmm(mixed[0:3], L.rkv.transpose(1, 2)), torch.bmm(lo, L.lora_up.transpose(1, 2))
+        if isinstance(L.rkv, tuple):  # fp8: one GEMM each
+            rkv = torch.stack([fp8_linear(mixed[j], m) for j, m in enumerate(L.rkv)])
+        else:
+            rkv = torch.bmm(mixed[0:3], L.rkv.transpose(1, 2))
+        return rkv, torch.bmm(lo, L.lora_up.transpose(1, 2))
 
     @staticmethod
     def _channel_mix(L: Layer, mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """cuBLAS: ``x + relu(mixed @ key.T)² @ value.T``, in place."""
+        """cuBLAS: ``x + relu(mixed @ key.T)² @ value.T``, in place (fp8: relu² fused into the value GEMM's input
+        quantization)."""
+        if isinstance(L.ffn_key, Fp8Matrix):
+            return x.add_(fp8_linear(fp8_linear(mixed, L.ffn_key), L.ffn_value, act=ACT_RELU_SQUARE))
         return x.addmm_(relu_square_(F.linear(mixed, L.ffn_key)), L.ffn_value.t())
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,7 +263,7 @@ class CudaRwkv7:
         for i, L in enumerate(self.layers):
             mixed = prefill_ln_shift_mix(x, L.ln1, self.pool.att_shift[i], slot_t, prev_slot, end_seq, L.att_mix)
             att, v_first = self._prefill_time_mix(i, L, mixed, slot_t, packed, v_first)
-            x.addmm_(att, L.output.t())
+            _add_linear_(x, att, L.output)
             kx = prefill_ln_shift_mix(x, L.ln2, self.pool.ffn_shift[i], slot_t, prev_slot, end_seq, L.ffn_mix)[0]
             self._channel_mix(L, kx, x)
         return x
@@ -262,3 +281,16 @@ class CudaRwkv7:
                                  as_heads(b), h0)
         self.pool.wkv[i][slots] = h_final.transpose(-1, -2).to(self.pool.wkv.dtype)
         return prefill_mix_out(o.view(T, C), v, bonus, up[3], L.p, self.eps), v_first
+
+
+def _matrix(t: dict, name: str) -> torch.Tensor | Fp8Matrix:
+    """A weight matrix as the layer keeps it: the tensor, or fp8 with its scales."""
+    scale = t.get(name + SCALE_SUFFIX)
+    return t[name] if scale is None else Fp8Matrix(t[name], scale)
+
+
+def _add_linear_(x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor | Fp8Matrix) -> torch.Tensor:
+    """``x += inp @ wᵀ``, in place: the residual stream."""
+    if isinstance(w, Fp8Matrix):
+        return x.add_(fp8_linear(inp, w))
+    return x.addmm_(inp, w.t())
