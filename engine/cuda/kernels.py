@@ -167,8 +167,7 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
                      else (_wkv7_decode_kernel, {"num_warps": 4}))
     if config is not None:  # a benchmark's fixed choice: HEADS, STAGES, num_warps
         kernel, extra = _wkv7_decode_kernel, {**extra, **config}
-    heads = extra.get("HEADS", 1)
-    kernel[(B, H // heads)](
+    kernel[lambda meta: (B, H // meta.get("HEADS", 1))](
         state, slots, r, k, v, w_lora, a_lora, v_lora, g, v_first,
         p["w0"], p["a0"], p["v0"] if layer else p["a0"], p["k_k"], p["k_a"], p["r_k"], p["ln_x.weight"],
         p["ln_x.bias"], out, B, r3.stride(1), r3.stride(0), H=H, N=N, C=C, eps=eps, IS_FIRST_LAYER=layer == 0,
