@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accuracy-positions", type=int, default=8192, help="0: no accuracy columns")
     ap.add_argument("--accuracy-streams", type=int, default=8)
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
+    ap.add_argument("--area", default="decode-floor", help="the BENCHMARKS.md block (runs of other shapes: another)")
     args = ap.parse_args(argv)
     bandwidth = copy_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({shapes[0]} only; `benchmarks.decode_accuracy`)\n\n"
             + markdown_table(["shape", "state", "weights", "batch", "step ms", "tok/s", "floor ms", "floor tok/s",
                               "of floor", "tok/s with sampling", "KL p99", "KL slope / 1k positions"], rows))
-    publish("decode-floor", command_line("benchmarks.decode_floor", argv), body, args.out,
+    publish(args.area, command_line("benchmarks.decode_floor", argv), body, args.out,
             title="Decode against its memory floor")
     return 0
 
