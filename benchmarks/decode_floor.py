@@ -19,18 +19,14 @@ import sys
 import torch
 
 from benchmarks.report import command_line, markdown_table, publish
-from benchmarks.timing import cuda_time_ms, preset_weights
+from benchmarks.timing import cuda_time_ms, device_copy_ms, preset_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes per second a device-to-device copy moves (read + write)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), iters=20)
-    del src, dst
-    return 2 * nbytes / ms * 1e3
+    return 2 * nbytes / device_copy_ms(nbytes) * 1e3
 
 
 def weight_bytes_read(weights) -> int:

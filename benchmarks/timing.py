@@ -28,6 +28,15 @@ def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> 
     return statistics.median(times)
 
 
+def device_copy_ms(nbytes: int) -> float:
+    """A device-to-device copy of ``nbytes`` (it reads and writes them): what memory-bound kernels are held to."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), iters=20, warmup=3)
+    del src, dst
+    return ms
+
+
 def graph_replay_ms(fn: Callable[[], object]) -> float:
     """``fn`` captured in a CUDA graph (after a run on a side stream, as capture wants), then its replay timed."""
     side = torch.cuda.Stream()

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from benchmarks.report import command_line, markdown_table, publish
-from benchmarks.timing import cuda_time_ms
+from benchmarks.timing import cuda_time_ms, device_copy_ms
 
 VECTORS_IN = 8  # r, k, v, the w/a/v LoRA outputs, the gate, v_first (bf16 rows of C)
 
@@ -43,13 +43,6 @@ def kernel_ms(x: dict, config: dict | None, large_batch: bool) -> float:
                                             large_batch=large_batch, config=config), iters=50, warmup=5)
 
 
-def copy_ms(nbytes: int) -> float:
-    """A device-to-device copy of ``nbytes`` (what the state's read + write is measured against)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return cuda_time_ms(lambda: dst.copy_(src), iters=50, warmup=5)
-
-
 def sweep_configs() -> list[dict]:
     configs = [{"HEADS": 1, "STAGES": 1, "num_warps": w} for w in (2, 4, 8)]
     for heads, stages, warps in itertools.product((2, 4), (2, 3), (4, 8)):
@@ -70,7 +63,7 @@ def measure(batches: list[int], heads: int, n: int, sweep: bool) -> tuple[list[l
         state_bytes = batch * heads * n * n * x["state"].element_size()
         vector_bytes = (VECTORS_IN + 1) * batch * heads * n * 2
         moved = 2 * state_bytes + vector_bytes
-        copy = copy_ms(state_bytes)
+        copy = device_copy_ms(state_bytes)
         copy_gbs = 2 * state_bytes / copy / 1e6
         name = str(dtype).split(".")[1]
         results = []
