@@ -34,7 +34,18 @@ def weight_bytes_read(weights) -> int:
     return sum(t.numel() * t.element_size() for name, t in weights.tensors.items() if name != "emb.weight")
 
 
-def measure_shape(name: str, batches: list[int], state: str, weights_mode: str, bandwidth: float) -> list[list]:
+def prefill_row(model, name: str, weights_mode: str, vocab: int) -> list:
+    """Prefill tok/s: one 4,096-token prompt, and 64 prompts of 512 packed in one step."""
+    prompt = torch.randint(1, vocab, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
+    one = cuda_time_ms(lambda: model.prefill([prompt], [0]), iters=5, warmup=2)
+    prompts = [prompt[i * 8:i * 8 + 512] for i in range(64)]
+    packed = cuda_time_ms(lambda: model.prefill(prompts, list(range(64))), iters=5, warmup=2)
+    return [name, weights_mode, f"{4096 / one * 1e3:,.0f}", f"{64 * 512 / packed * 1e3:,.0f}"]
+
+
+def measure_shape(name: str, batches: list[int], state: str, weights_mode: str, bandwidth: float
+                  ) -> tuple[list[list], list | None]:
+    """Decode rows for each batch, and with fp32 state the prefill row (the state's dtype barely touches it)."""
     from engine.cuda.model import CudaRwkv7
     from engine.params import SamplingParams
     from engine.sampler import Sampler
@@ -63,9 +74,12 @@ def measure_shape(name: str, batches: list[int], state: str, weights_mode: str, 
         rows.append([name, state, weights_mode, f"{b:,}", f"{ms:.3f}", f"{b / ms * 1e3:,.0f}", f"{floor_ms:.3f}",
                      f"{b / floor_ms * 1e3:,.0f}", f"{floor_ms / ms:.2f}", f"{b / both * 1e3:,.0f}"])
         print(rows[-1], file=sys.stderr, flush=True)  # partial results survive a killed run
+    prefill = prefill_row(model, name, weights_mode, shape.vocab_size) if state == "fp32" else None
+    if prefill is not None:
+        print(prefill, file=sys.stderr, flush=True)
     del model, pool, weights, sampler
     torch.cuda.empty_cache()
-    return rows
+    return rows, prefill
 
 
 def accuracy(shape: str, modes: list[tuple[str, str]], positions: int, streams: int
@@ -105,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes = args.shapes.split(",")
     rows = []
     modes = list(itertools.product(args.states.split(","), args.weights.split(",")))
+    prefills = []
     for name, (state, mode) in itertools.product(shapes, modes):
-        rows += measure_shape(name, batches, state, mode, bandwidth)
+        decode, prefill = measure_shape(name, batches, state, mode, bandwidth)
+        rows += decode
+        prefills += [prefill] if prefill is not None else []
     acc = accuracy(shapes[0], modes, args.accuracy_positions, args.accuracy_streams) if args.accuracy_positions \
         else {}
     for row in rows:
@@ -116,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.accuracy_positions:,} positions × {args.accuracy_streams} streams against fp32 state, bf16 weights "
             f"({shapes[0]} only; `benchmarks.decode_accuracy`)\n\n"
             + markdown_table(["shape", "state", "weights", "batch", "step ms", "tok/s", "floor ms", "floor tok/s",
-                              "of floor", "tok/s with sampling", "KL p99", "KL slope / 1k positions"], rows))
+                              "of floor", "tok/s with sampling", "KL p99", "KL slope / 1k positions"], rows)
+            + "\nPrefill (fp32 state), tok/s\n\n"
+            + markdown_table(["shape", "weights", "1 × 4,096", "64 × 512 packed"], prefills))
     publish(args.area, command_line("benchmarks.decode_floor", argv), body, args.out,
             title="Decode against its memory floor")
     return 0
