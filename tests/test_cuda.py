@@ -354,7 +354,8 @@ from engine.engine import LLMEngine
 from engine.params import SamplingParams
 from engine.sequence import Request
 cache = os.environ["TRITON_CACHE_DIR"]
-engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", max_num_seqs=40, max_num_batched_tokens=512))
+engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cuda", max_num_seqs=40, max_num_batched_tokens=512,
+                                weights=sys.argv[2]))
 engine.warm_up()
 model = engine.runner.model
 graphs = len(model.graphs.graphs) + len(model.prefill_graphs.graphs)
@@ -372,9 +373,13 @@ print("ENTRIES", before, entries(), "GRAPHS", graphs, len(model.graphs.graphs) +
 """
 
 
-def test_warm_up_leaves_nothing_to_compile_or_capture(tmp_path):
+@pytest.mark.parametrize("weights", ["auto", "fp8"])
+def test_warm_up_leaves_nothing_to_compile_or_capture(tmp_path, weights):
     """A fresh Triton cache: after warm_up, requests of every batch size and mixed prompt lengths compile no
-    kernel and capture no graph (run in a subprocess: kernels compiled earlier in this process would hide it)."""
+    kernel and capture no graph (run in a subprocess: kernels compiled earlier in this process would hide it);
+    with fp8 weights too (their quantize kernel and fp8 matmuls)."""
+    if weights == "fp8" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("fp8 GEMMs need Hopper or newer")
     import os
     import subprocess
     import sys
@@ -383,8 +388,8 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(tmp_path):
     from tests.queue_helpers import REPO
     path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=3)
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", WARM_CHECK, str(path)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", WARM_CHECK, str(path), weights], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("ENTRIES"))
     _, before, after, _, graphs_before, graphs_after = line.split()
