@@ -498,3 +498,16 @@ def test_an_unknown_model_is_a_404_and_the_served_name_and_aliases_answer(client
     async_request = httpx.post(service.url + "/v1/requests", json={"endpoint": "completions", "model": "gpt-4o",
                                                                    "prompt": "Hi", "max_tokens": 2})
     assert async_request.status_code == 404 and async_request.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_served_chats_benchmark_resumes_conversations_from_the_cache(service, capsys):
+    """benchmarks/served_chats against this service: both APIs run every turn, and from turn 2 on part of each
+    prompt comes from the prefix cache (the previous turn's state: its prompt is past the 32-token minimum),
+    through previous_response_id and through re-sent history."""
+    from benchmarks.served_chats import main
+    assert main(["--base-url", service.url, "--chats", "2", "--turns", "3", "--turn-in", "40", "--turn-out", "4",
+                 "--out", "-"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    turns = {(r[0].strip(), int(r[1])): float(r[5]) for r in rows if len(r) == 6 and r[1].strip().isdigit()}
+    assert set(turns) == {(api, t) for api in ("responses", "chat") for t in (1, 2, 3)}
+    assert all(turns[(api, t)] > 0 for api in ("responses", "chat") for t in (2, 3)), turns
