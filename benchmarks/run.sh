@@ -5,7 +5,9 @@
 #   bash benchmarks/run.sh serve    # gaggle up, gaggle bench served and --engine-only (~15 min)
 #   bash benchmarks/run.sh batch    # a 10,000-line Batch API job against engine-only (~8 min)
 #   bash benchmarks/run.sh startup  # gaggle up cold (empty kernel cache) and warm, to the first answer (~1.5 min)
-#   bash benchmarks/run.sh all      # all four in turn
+#   bash benchmarks/run.sh floor    # decode against its memory floor: wkv bandwidth, state/weights modes, accuracy (~15 min)
+#   bash benchmarks/run.sh cache    # the prefix cache: engine-level on/off, then served multi-turn chats (~8 min)
+#   bash benchmarks/run.sh all      # all of them in turn
 #
 # Model: random weights in the RWKV-7 1.5B shape (written once). Raw logs, results and the model go under
 # ${OUT:-benchmarks/results} (git-ignored); each program replaces its area's block in ${RECORD:-BENCHMARKS.md}
@@ -16,7 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
-case $what in engine|serve|batch|startup|all) ;; *) echo "usage: bash benchmarks/run.sh engine|serve|batch|startup|all" >&2; exit 2;; esac
+case $what in engine|serve|batch|startup|floor|cache|all) ;;
+  *) echo "usage: bash benchmarks/run.sh engine|serve|batch|startup|floor|cache|all" >&2; exit 2;; esac
 
 OUT=${OUT:-benchmarks/results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 RECORD=${RECORD:-BENCHMARKS.md}
@@ -119,12 +122,30 @@ batch() {
   down
 }
 
+floor() {
+  step wkv-bandwidth $PY -m benchmarks.wkv_bandwidth --sweep --out "$RECORD"
+  step decode-floor $PY -m benchmarks.decode_floor --shapes 1.5b --accuracy-positions 8192 --out "$RECORD"
+  step decode-floor-large $PY -m benchmarks.decode_floor --shapes 2.9b,7.2b --accuracy-positions 0 \
+    --area decode-floor-large --out "$RECORD"
+  grep -hE "^\|" "$OUT/decode-floor.log" "$OUT/decode-floor-large.log"
+}
+
+cache() {
+  step prefix-cache $PY -m benchmarks.prefix_cache --model "$MODEL" --out "$RECORD" && grep -E "^\|" "$OUT/prefix-cache.log"
+  up --worker-arg=--max-num-seqs=256 || return 1
+  step served-chats $PY -m benchmarks.served_chats --base-url "http://127.0.0.1:$PORT" --chats 64 --turns 20 \
+    --out "$RECORD" && grep -E "^\|" "$OUT/served-chats.log"
+  down
+}
+
 preflight
 case $what in
   engine) engine ;;
   serve) serve ;;
   batch) batch ;;
   startup) startup ;;
-  all) startup; engine; serve; batch ;;
+  floor) floor ;;
+  cache) cache ;;
+  all) startup; engine; serve; batch; floor; cache ;;
 esac
 echo "== done in $(( $(date +%s) - T0 )) s; logs and results in $OUT"
