@@ -18,7 +18,9 @@ added by the next kernel: 8 launches per layer); larger batches use cuBLAS
 (tensor cores), with the
 LayerNorm+shift and wkv kernels overlapping the GEMMs' tails (programmatic
 dependent launch).
-All weights are kept in nn.Linear layout ``[out, in]``.
+All weights are kept in nn.Linear layout ``[out, in]``. With fp8 weights (``engine.quant``) the projections and
+the FFN are ``Fp8Matrix``es: the weight-streaming kernels read them directly, larger batches multiply on fp8
+tensor cores (``fp8_linear``: activations quantized per token).
 """
 
 from __future__ import annotations
