@@ -29,6 +29,15 @@ def browser():
 
 
 @pytest.mark.skipif(CHROMEDRIVER is None, reason="no chromedriver: `make test` installs chromium-driver")
+def unless_stale(read):
+    """``read()``, or None where the page redrew the element between finding and reading it (or has none yet)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    try:
+        return read()
+    except (StaleElementReferenceException, NoSuchElementException):
+        return None
+
+
 def test_status_page_shows_a_live_worker_and_its_numbers_move(redis_server, tiny_model_path):
     from selenium.webdriver.common.by import By
     flushed(redis_server.url)
@@ -39,9 +48,9 @@ def test_status_page_shows_a_live_worker_and_its_numbers_move(redis_server, tiny
     try:
         wait_for(lambda: httpx.get(api.url + "/ready").status_code == 200, 120, 0.2, "ready")
         driver.get(api.url + "/dashboard")
-        row = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, '#workers tr[data-worker="dash-worker"]'),
-                       30, 0.2, "the worker on the page")[0]
-        assert "cpu" in row.text
+        row_text = wait_for(lambda: unless_stale(lambda: driver.find_element(
+            By.CSS_SELECTOR, '#workers tr[data-worker="dash-worker"]').text), 30, 0.2, "the worker on the page")
+        assert "cpu" in row_text
         idle_tokens = driver.find_element(By.ID, "total-tokens").text
 
         def load() -> None:
@@ -52,9 +61,10 @@ def test_status_page_shows_a_live_worker_and_its_numbers_move(redis_server, tiny
         threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
         for t in threads:
             t.start()
-        busy = wait_for(lambda: (r := driver.find_element(By.ID, "total-running").text) not in ("0", "–") and r,
+        text_of = lambda element_id: unless_stale(lambda: driver.find_element(By.ID, element_id).text)  # noqa: E731
+        busy = wait_for(lambda: (r := text_of("total-running")) not in (None, "0", "–") and r,
                         60, 0.2, "running sequences on the page")
-        moved = wait_for(lambda: (t := driver.find_element(By.ID, "total-tokens").text) != idle_tokens and t,
+        moved = wait_for(lambda: (t := text_of("total-tokens")) not in (None, idle_tokens) and t,
                          60, 0.2, "tokens per second changing on the page")
         assert int(busy) > 0 and moved != idle_tokens
         assert driver.find_element(By.ID, "line").get_attribute("points")  # the chart has points
@@ -62,9 +72,10 @@ def test_status_page_shows_a_live_worker_and_its_numbers_move(redis_server, tiny
         for _ in range(2):
             httpx.post(api.url + "/v1/completions", timeout=60, json={"prompt": shared, "max_tokens": 2})
 
-        def tokens_saved() -> int:
-            row = driver.find_element(By.CSS_SELECTOR, '#workers tr[data-worker="dash-worker"]')
-            return int(row.find_elements(By.TAG_NAME, "td")[7].text.replace(",", "") or 0)
+        def tokens_saved() -> int:  # the table is redrawn every refresh: a row found may be gone when read
+            text = unless_stale(lambda: driver.find_element(By.CSS_SELECTOR, '#workers tr[data-worker="dash-worker"]')
+                                .find_elements(By.TAG_NAME, "td")[7].text)
+            return int((text or "").replace(",", "") or 0)
         assert wait_for(lambda: tokens_saved() >= 40, 30, 0.2, "prompt tokens saved on the page")
         ARTIFACTS.mkdir(exist_ok=True)
         driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
