@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([label] + report.row())
         del test
         reference = build(weights, args.device, torch.float32, args.streams)  # fresh states for the next mode
-    body = (f"Teacher-forced against fp32 state and unquantized weights, {name} weights: {args.streams} random token streams × "
-            f"{args.positions:,} positions, one token a step; KL(reference ‖ mode) in nats, per position; the trend "
+    body = (f"Teacher-forced against fp32 state and unquantized weights, {name} weights: {args.streams} random "
+            f"token streams × {args.positions:,} positions, one token a step; KL(reference ‖ mode) in nats, per "
+            "position; the trend "
             f"is a line through the means of blocks of {args.block} positions\n\n"
             + markdown_table(["mode"] + HEADER, rows))
     publish("decode-accuracy", command_line("benchmarks.decode_accuracy", argv), body, args.out,

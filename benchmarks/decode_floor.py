@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         row += acc.get((row[1], row[2]), ["–", "–"]) if row[0] == shapes[0] else ["–", "–"]
     body = (f"Random weights; floor = (weight bytes + 2 × batch × state bytes) at the device-to-device copy's "
             f"{bandwidth / 1e12:.2f} TB/s (measured in the run); accuracy: teacher-forced over "
-            f"{args.accuracy_positions:,} positions × {args.accuracy_streams} streams against fp32 state, bf16 weights "
+            f"{args.accuracy_positions:,} positions × {args.accuracy_streams} streams against fp32 state, "
+            "bf16 weights "
             f"({shapes[0]} only; `benchmarks.decode_accuracy`)\n\n"
             + markdown_table(["shape", "state", "weights", "batch", "step ms", "tok/s", "floor ms", "floor tok/s",
                               "of floor", "tok/s with sampling", "KL p99", "KL slope / 1k positions"], rows)

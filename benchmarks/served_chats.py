@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from benchmarks.loadgen.refill import percentile
 from benchmarks.report import command_line, markdown_table, publish
 
 WORDS = ("goose river stone light quiet market paper window garden number silver morning engine "
@@ -103,11 +104,6 @@ async def run_mode(mode: str, args) -> list[Conversation]:
     return await asyncio.gather(*(fn(client, model, args, random.Random(seed + i)) for i in range(args.chats)))
 
 
-def quantile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]  # nearest rank
-
-
 def mode_rows(mode: str, convs: list[Conversation], turns: int) -> list[list]:
     rows = []
     for t in sorted({1, 2, turns // 2, turns} - {0}):
@@ -116,7 +112,7 @@ def mode_rows(mode: str, convs: list[Conversation], turns: int) -> list[list]:
         ttfts = [c.turns[t - 1].ttft * 1e3 for c in convs]
         sent = sum(c.turns[t - 1].prompt_tokens for c in convs)
         cached = sum(c.turns[t - 1].cached_tokens for c in convs)
-        rows.append([mode, t, f"{statistics.median(ttfts):.1f}", f"{quantile(ttfts, 0.99):.1f}",
+        rows.append([mode, t, f"{statistics.median(ttfts):.1f}", f"{percentile(ttfts, 0.99):.1f}",
                      f"{sent / len(convs):,.0f}", f"{cached / max(1, sent):.2f}"])
     return rows
 

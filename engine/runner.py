@@ -396,8 +396,8 @@ class ModelRunner:
     # -- the shared tier's bytes (worker.shared_states) --------------------------------------------
 
     def state_namespace(self, root: str | None) -> str:
-        """What a checkpoint's bytes depend on besides its tokens: the weights, the numerics (backend, dtypes, fp8) and
-        the initial state it grew from. Workers share a checkpoint only within one namespace."""
+        """What a checkpoint's bytes depend on besides its tokens: the weights, the numerics (backend, dtypes,
+        fp8) and the initial state it grew from. Workers share a checkpoint only within one namespace."""
         h = hashlib.sha256(f"{self.model_fingerprint}|{self.backend}|{self.dtype}|{self.state_dtype}|"
                            f"{self.pool.att_shift.dtype}|float32|{self.weights_mode}|{root or ''}".encode())
         if root is not None:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.quant import FP8, SCALE_SUFFIX, dequantize_rows, is_quantized_name, quantize_rows
+
 log = logging.getLogger(__name__)
 
 LN_X_EPS_OFFICIAL = 64e-5  # the official package's GroupNorm eps (head size 64 × 1e-5)
@@ -68,7 +70,6 @@ class Rwkv7Weights:
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "Rwkv7Weights":
         """Cast floating weights to ``dtype``; decay-path vectors and fp8 scales stay fp32 (they feed exp(), they
         scale fp32 sums); fp8 matrices stay fp8."""
-        from engine.quant import FP8, SCALE_SUFFIX
         keep_fp32 = re.compile(r"att\.(w0|k_k|k_a|r_k|ln_x\.weight|ln_x\.bias)$")
         out = {}
         for k, t in self.tensors.items():
@@ -81,13 +82,11 @@ class Rwkv7Weights:
 
     @property
     def has_fp8(self) -> bool:
-        from engine.quant import FP8
         return any(t.dtype == FP8 for t in self.tensors.values())
 
     def quantized_fp8(self) -> "Rwkv7Weights":
         """The projection and FFN matrices in fp8 with per-row scales (``engine.quant``), one matrix at a time
         (on a GPU the bf16 copy of each goes as its fp8 one is made); the rest as is."""
-        from engine.quant import FP8, SCALE_SUFFIX, is_quantized_name, quantize_rows
         out = dict(self.tensors)
         for k in list(out):
             if is_quantized_name(k) and out[k].dtype != FP8:
@@ -97,7 +96,6 @@ class Rwkv7Weights:
     def dequantized(self, dtype: torch.dtype) -> "Rwkv7Weights":
         """fp8 matrices back to ``dtype`` (what a backend without fp8 GEMMs computes with: the weights' rounding,
         not the activations')."""
-        from engine.quant import FP8, SCALE_SUFFIX, dequantize_rows
         out = {}
         for k, t in self.tensors.items():
             if k.endswith(SCALE_SUFFIX):
@@ -214,8 +212,8 @@ def _to_internal(raw: dict[str, torch.Tensor], source: str, ln_x_eps: float) -> 
     t: dict[str, torch.Tensor] = {}
     for key, expected in _expected_shapes(shape).items():
         t[key] = _take(raw, key, expected, source)
-        if t[key].dtype == torch.float8_e4m3fn:
-            t[key + ".fp8_scale"] = _take_fp8_scale(raw, key, source)
+        if t[key].dtype == FP8:
+            t[key + SCALE_SUFFIX] = _take_fp8_scale(raw, key, source)
     emb = t.pop("emb.weight").float()
     t["emb.weight"] = F.layer_norm(emb, (shape.n_embd,), t.pop("blocks.0.ln0.weight").float(),
                                    t.pop("blocks.0.ln0.bias").float())
@@ -291,7 +289,6 @@ def _expected_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
 
 def _take_fp8_scale(raw: dict, key: str, source: str) -> torch.Tensor:
     """The per-row scales of an fp8 matrix of a quantized file; only the matrices fp8 mode quantizes may be fp8."""
-    from engine.quant import SCALE_SUFFIX, is_quantized_name
     if not is_quantized_name(key):
         raise ModelFormatError(f"{source}: '{key}' is fp8, but only the projection and FFN matrices may be")
     scale = raw.get(key + SCALE_SUFFIX)
