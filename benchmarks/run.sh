@@ -6,7 +6,7 @@
 #   bash benchmarks/run.sh batch    # a 10,000-line Batch API job against engine-only (~8 min)
 #   bash benchmarks/run.sh startup  # gaggle up cold (empty kernel cache) and warm, to the first answer (~1.5 min)
 #   bash benchmarks/run.sh floor    # decode against its memory floor: wkv bandwidth, state/weights modes, accuracy (~15 min)
-#   bash benchmarks/run.sh cache    # the prefix cache: engine-level on/off, then served multi-turn chats (~8 min)
+#   bash benchmarks/run.sh cache    # the prefix cache: engine-level on/off, a shared-instruction batch, served chats (~14 min)
 #   bash benchmarks/run.sh all      # all of them in turn
 #
 # Model: random weights in the RWKV-7 1.5B shape (written once). Raw logs, results and the model go under
@@ -132,6 +132,18 @@ floor() {
 
 cache() {
   step prefix-cache $PY -m benchmarks.prefix_cache --model "$MODEL" --out "$RECORD" && grep -E "^\|" "$OUT/prefix-cache.log"
+  # a Batch API job whose 10,000 lines share a 1,000-token instruction: the service with the cache off, then on
+  local lines="--num-lines 10000 --shared-prefix-len 1000 --input-len 50 --output-len 256 --trickle-rate 0"
+  local service="--worker-arg=--max-num-seqs=1024 --api-workers 4"
+  up $service --worker-arg=--prefix-cache-gib=0 || return 1
+  step batch-cache-off $PY -m benchmarks.loadgen.batch_bench --base-url "http://127.0.0.1:$PORT" $lines \
+    --save-result "$OUT/batch-cache-off.json" --out -
+  down
+  up $service || return 1
+  step batch-shared-prefix $PY -m benchmarks.loadgen.batch_bench --base-url "http://127.0.0.1:$PORT" $lines \
+    --cache-off-result "$OUT/batch-cache-off.json" --save-result "$OUT/batch-shared-prefix.json" \
+    --area batch-shared-prefix --out "$RECORD" && grep -E "^\|" "$OUT/batch-shared-prefix.log"
+  down
   up --worker-arg=--max-num-seqs=256 || return 1
   step served-chats $PY -m benchmarks.served_chats --base-url "http://127.0.0.1:$PORT" --chats 64 --turns 20 \
     --out "$RECORD" && grep -E "^\|" "$OUT/served-chats.log"

@@ -74,6 +74,22 @@ def test_random_dataset_lengths():
     assert all(r.is_chat and isinstance(r.prompt[0]["content"], str) for r in chat)
 
 
+def test_a_shared_prefix_starts_every_prompt_and_leaves_their_own_tokens_as_they_were():
+    plain = random_requests(20, 30, 4, 0.0, seed=5, as_text=False)
+    shared = random_requests(20, 30, 4, 0.0, seed=5, as_text=False, shared_prefix_len=50)
+    prefix = shared[0].prompt[:50]
+    assert all(r.prompt[:50] == prefix and r.prompt_len == 80 for r in shared)
+    assert [r.prompt[50:] for r in shared] == [r.prompt for r in plain]  # the same seed's own tokens
+    assert len({tuple(r.prompt[50:]) for r in shared}) == 20
+    assert random_requests(2, 30, 4, 0.0, seed=6, as_text=False, shared_prefix_len=50)[0].prompt[:50] != prefix
+    chat = random_requests(3, 16, 4, 0.0, seed=5, as_text=True, shared_prefix_len=40)
+    texts = [r.prompt[0]["content"] for r in chat]
+    common = os.path.commonprefix(texts)
+    assert len(common) >= 40 and len(set(texts)) == 3  # 40 whole-UTF-8 tokens are at least 40 characters
+    with pytest.raises(ValueError, match="shared-prefix-len"):
+        random_requests(2, 30, 4, 0.0, seed=5, as_text=False, shared_prefix_len=-1)
+
+
 # -- metrics on hand-made timings -------------------------------------------------------------
 
 def test_metrics_from_hand_made_timings():
@@ -402,6 +418,31 @@ def test_batch_bench_ratio_to_the_engine_only_run(batch_api, tmp_path):
                      published)
     assert "--api-key …" in published and KEY not in published  # the file is committed
     assert f"| Batch / engine-only (target ≤ 1.1) | {result['ratio']:.3f} |" in published
+
+
+def test_batch_bench_counts_the_prompt_tokens_a_shared_instruction_saves(batch_api, tmp_path):
+    """Lines that share a 64-token instruction: the server reports most of it as cached; the table says computed
+    against unique tokens and, given the cache-off run's result, cache off / on."""
+    cache_off = tmp_path / "cache-off.json"  # the shape this program's --save-result writes
+    cache_off.write_bytes(orjson.dumps({"batch_wall_s": 50.0, "config": {
+        "num_lines": 6, "input_len": 8, "shared_prefix_len": 64, "output_len": 4, "seed": 0,
+        "endpoint": "/v1/completions", "temperature": 1.0}}))
+    out = tmp_path / "batch.json"
+    proc = batch_bench(batch_api, "--num-lines", "6", "--input-len", "8", "--shared-prefix-len", "64",
+                       "--output-len", "4", "--trickle-rate", "0", "--cache-off-result", str(cache_off),
+                       "--save-result", str(out), "--out", "-")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "cache off / on compares unlike" not in proc.stderr
+    result = orjson.loads(out.read_bytes())
+    assert result["succeeded"] == 6 and result["prompt_tokens"] == 6 * 72
+    assert result["unique_prompt_tokens"] == 64 + 6 * 8
+    # the first line (or the first few, taken at once) computes the instruction; later ones take it from the cache
+    assert 32 <= result["cached_prompt_tokens"] <= 5 * 64, result["cached_prompt_tokens"]
+    computed = result["prompt_tokens"] - result["cached_prompt_tokens"]
+    assert result["computed_over_unique"] == pytest.approx(computed / (64 + 48))
+    assert result["cache_speedup"] == pytest.approx(50.0 / result["batch_wall_s"])
+    assert "6 lines × 64 shared + 8 prompt / 4 output tokens" in proc.stdout
+    assert f"| Cache off / on | {result['cache_speedup']:.2f} |" in proc.stdout
 
 
 def test_waves_of_a_closed_loop_are_taken_in_the_order_sent():

@@ -28,7 +28,7 @@ import orjson
 
 from api.base_url import add_base_url_arg
 from benchmarks.loadgen.cli import CHAT, COMPLETIONS, build_requests, sampling_fields
-from benchmarks.loadgen.client import build_body
+from benchmarks.loadgen.client import build_body, cached_tokens
 from benchmarks.loadgen.dataset import random_requests
 from benchmarks.report import command_line, publish, table
 
@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     p.add_argument("--num-lines", type=int, default=10_000)
     p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every line's prompt starts with the same this many tokens (a shared instruction)")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -53,6 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="synchronous streaming requests a second while the batch runs (0: none)")
     p.add_argument("--trickle-output-len", type=int, default=16)
     p.add_argument("--engine-only-result", help="JSON of `gaggle bench --engine-only --save-result` (same workload)")
+    p.add_argument("--cache-off-result",
+                   help="JSON of this program's --save-result for the same lines on a service with the prefix cache "
+                        "off (`--prefix-cache-gib 0`): the table adds cache off / on")
     p.add_argument("--save-result", help="write every number here (JSON)")
     p.add_argument("--out", default="BENCHMARKS.md", help="put the table here ('-': print only)")
     p.add_argument("--area", default="batch", help="the BENCHMARKS.md block to replace")
@@ -64,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """The `gaggle bench` flags of the same workload: its own functions then build the same requests and bodies."""
     return argparse.Namespace(endpoint=args.endpoint, dataset_path=None, num_prompts=args.num_lines,
-                              input_len=args.input_len, output_len=args.output_len, range_ratio=0.0, seed=args.seed,
+                              input_len=args.input_len, shared_prefix_len=args.shared_prefix_len, output_len=args.output_len, range_ratio=0.0, seed=args.seed,
                               temperature=args.temperature, top_p=None, top_k=None, ignore_eos=True)
 
 
@@ -174,9 +179,12 @@ def check_outputs(client, batch, num_lines: int) -> dict:
     ok, bad = [], list(err)
     for r in out:
         (ok if (r.get("response") or {}).get("status_code") == 200 else bad).append(r)
-    tokens = sum(r["response"]["body"].get("usage", {}).get("completion_tokens", 0) for r in ok)
+    usages = [r["response"]["body"].get("usage") or {} for r in ok]
+    tokens = sum(u.get("completion_tokens", 0) for u in usages)
     errors = [r.get("error") or ((r.get("response") or {}).get("body") or {}).get("error") for r in bad[:5]]
     return {"succeeded": len(ok), "failed": len(bad), "output_tokens": tokens,
+            "prompt_tokens": sum(u.get("prompt_tokens", 0) for u in usages),
+            "cached_prompt_tokens": sum(cached_tokens(u) for u in usages),
             "missing": len(expected - set(seen)), "duplicated": sum(1 for n in seen.values() if n > 1),
             "unexpected": len(set(seen) - expected), "errors": errors}
 
@@ -189,6 +197,7 @@ def engine_only_seconds(path: str | None, args: argparse.Namespace) -> float | N
         saved = orjson.loads(f.read())
     config = saved.get("config") or {}
     ours = {"num_prompts": args.num_lines, "input_len": args.input_len, "output_len": args.output_len,
+            "shared_prefix_len": args.shared_prefix_len,
             "seed": args.seed, "ignore_eos": True, "range_ratio": 0.0, "dataset_path": None,
             "endpoint": args.endpoint, "temperature": args.temperature}  # the endpoint picks ids or text prompts
     unset = ("temperature",)  # gaggle bench sends it only when given: None is the server's default (1.0)
@@ -197,6 +206,30 @@ def engine_only_seconds(path: str | None, args: argparse.Namespace) -> float | N
         print(f"batch_bench: {path} ran another workload ({', '.join(differ)} differ); the ratio compares unlike "
               "runs", file=sys.stderr)
     return float((saved.get("metrics") or saved)["duration_s"])
+
+
+def cache_off_seconds(path: str | None, args: argparse.Namespace) -> float | None:
+    """The same batch's wall seconds on a service with the prefix cache off (this program's saved result)."""
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        saved = orjson.loads(f.read())
+    config = saved.get("config") or {}
+    keys = ("num_lines", "input_len", "shared_prefix_len", "output_len", "seed", "endpoint", "temperature")
+    differ = [k for k in keys if config.get(k) != getattr(args, k)]
+    if differ:
+        print(f"batch_bench: {path} ran other lines ({', '.join(differ)} differ); cache off / on compares unlike "
+              "runs", file=sys.stderr)
+    return float(saved["batch_wall_s"])
+
+
+def unique_prompt_tokens(args: argparse.Namespace) -> int | None:
+    """Prompt tokens a perfect prefix cache computes: the shared prefix once, then each line's own (token-id
+    prompts; None for chat, whose template adds tokens the client does not count)."""
+    if args.endpoint == CHAT:
+        return None
+    return args.shared_prefix_len + sum(r.prompt_len - args.shared_prefix_len
+                                        for r in build_requests(bench_args(args)))
 
 
 def render(r: dict) -> str:
@@ -212,12 +245,20 @@ def render(r: dict) -> str:
             ["Output tok/s (over the wall time)", num(r["output_throughput"], ",.1f")],
             ["Engine-only s (same workload)", num(r["engine_only_s"])],
             ["Batch / engine-only (target ≤ 1.1)", num(r["ratio"], ".3f")],
+            ["Prompt tokens sent / taken from the prefix cache",
+             f"{r['prompt_tokens']:,} / {r['cached_prompt_tokens']:,}"],
+            ["Prompt tokens computed / unique (shared prefix once, then each line's own)",
+             f"{r['prompt_tokens'] - r['cached_prompt_tokens']:,} / {num(r['unique_prompt_tokens'], ',d')}"
+             f" = {num(r['computed_over_unique'], '.3f')}"],
+            *([["Cache off s (same lines, `--prefix-cache-gib 0`)", num(r["cache_off_s"])],
+               ["Cache off / on", num(r["cache_speedup"], ".2f")]] if r.get("cache_off_s") else []),
             ["Trickle requests (sync, streamed)", f"{t['requests']:,} at {r['config']['trickle_rate']}/s"],
             ["Trickle TTFT p50 / p99 ms (target p50 ≤ 100)", f"{num(t['ttft_p50_ms'], '.1f')} / "
                                                                f"{num(t['ttft_p99_ms'], '.1f')}"],
             ["Trickle failures", f"{t['failed']:,}"]]
     c = r["config"]
-    sub = (f"{c['num_lines']:,} lines × {c['input_len']} prompt / {c['output_len']} output tokens, ignore_eos, "
+    shared = f"{c['shared_prefix_len']:,} shared + " if c.get("shared_prefix_len") else ""
+    sub = (f"{c['num_lines']:,} lines × {shared}{c['input_len']} prompt / {c['output_len']} output tokens, ignore_eos, "
            f"{c['endpoint']}, model {c['model']}")
     return table(sub, ["Metric", "Value"], rows)
 
@@ -240,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key, timeout=600)
     model = args.model or client.models.list().data[0].id
     engine_s = engine_only_seconds(args.engine_only_result, args)
+    cache_off_s = cache_off_seconds(args.cache_off_result, args)
+    unique = unique_prompt_tokens(args)
     with tempfile.NamedTemporaryFile(prefix="batch-bench-", suffix=".jsonl") as f:
         f.write(batch_lines(args, model))
         f.flush()
@@ -258,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
               "lines": args.num_lines, **checked, "batch_wall_s": wall, "server_s": server_s,
               "output_throughput": checked["output_tokens"] / wall, "engine_only_s": engine_s,
               "ratio": wall / engine_s if engine_s else None, "trickle": trickle_stats,
+              "unique_prompt_tokens": unique,
+              "computed_over_unique": (checked["prompt_tokens"] - checked["cached_prompt_tokens"]) / unique
+              if unique else None,
+              "cache_off_s": cache_off_s, "cache_speedup": cache_off_s / wall if cache_off_s else None,
               "batch_errors": [e.model_dump() for e in batch.errors.data] if batch.errors else None}
     if not args.keep_files:  # a 10k-line upload and its outputs are megabytes each in the file store
         for file_id in (uploaded.id, batch.output_file_id, batch.error_file_id):

@@ -52,6 +52,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=1024)
     g.add_argument("--output-len", type=int, default=128)
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len·(1−r), len·(1+r)]")
+    g.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="random prompts all start with the same this many tokens (a shared instruction) before "
+                        "their own --input-len")
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, or inf: all at once")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
@@ -78,7 +81,7 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.dataset_path:
         return file_requests(args.dataset_path, args.num_prompts, args.output_len, is_chat)
     return random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
-                           as_text=is_chat)
+                           as_text=is_chat, shared_prefix_len=getattr(args, "shared_prefix_len", 0))
 
 
 def sampling_fields(args: argparse.Namespace) -> dict:
@@ -89,8 +92,8 @@ def sampling_fields(args: argparse.Namespace) -> dict:
 
 
 def config_of(args: argparse.Namespace, model: str | None) -> dict:
-    keys = ("base_url", "endpoint", "dataset_path", "num_prompts", "input_len", "output_len", "range_ratio",
-            "burstiness", "max_concurrency", "seed", "temperature", "top_p", "top_k", "ignore_eos", "stream",
+    keys = ("base_url", "endpoint", "dataset_path", "num_prompts", "input_len", "shared_prefix_len", "output_len",
+            "range_ratio", "burstiness", "max_concurrency", "seed", "temperature", "top_p", "top_k", "ignore_eos", "stream",
             "engine_only", "timeout")
     config = {k: getattr(args, k) for k in keys}
     config["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate

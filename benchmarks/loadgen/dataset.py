@@ -35,22 +35,28 @@ def length_range(length: int, range_ratio: float) -> tuple[int, int]:
 
 
 def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int,
-                    as_text: bool) -> list[BenchRequest]:
+                    as_text: bool, shared_prefix_len: int = 0) -> list[BenchRequest]:
     """Prompts of random vocabulary tokens: token ids for /v1/completions, their text as one user
-    message for chat (only tokens that are whole UTF-8 then, so the text is what the ids say)."""
+    message for chat (only tokens that are whole UTF-8 then, so the text is what the ids say).
+    ``shared_prefix_len``: every prompt starts with the same that many random tokens (a shared instruction, as
+    vLLM's ``--random-prefix-len``) before its own ``input_len``; drawn apart, so the prompts' own tokens are
+    those of the same seed without it."""
     from engine.tokenizer import VOCAB_PATH, read_vocab  # the vocabulary file only: no regex compile, no torch
     vocab = read_vocab(VOCAB_PATH)
     if as_text:
         vocab = {i: t for i, t in vocab.items() if _is_utf8(t) and b"\n\n" not in t}
     ids = np.array(sorted(vocab), dtype=np.int64)
     rng = np.random.default_rng(seed)
+    if shared_prefix_len < 0:
+        raise ValueError(f"--shared-prefix-len must be >= 0, got {shared_prefix_len}")
+    prefix = ids[np.random.default_rng([seed, 1]).integers(0, len(ids), size=shared_prefix_len)].tolist()
     in_lo, in_hi = length_range(input_len, range_ratio)
     out_lo, out_hi = length_range(output_len, range_ratio)
     in_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
     out_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
     requests = []
     for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist()):
-        prompt_ids = ids[rng.integers(0, len(ids), size=n_in)].tolist()
+        prompt_ids = prefix + ids[rng.integers(0, len(ids), size=n_in)].tolist()
         if as_text:
             text = b"".join(vocab[i] for i in prompt_ids).decode("utf-8")
             requests.append(BenchRequest([{"role": "user", "content": text}], n_out))
