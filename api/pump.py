@@ -27,6 +27,18 @@ LOST = "the request was lost: Redis no longer has it (restarted without its data
 
 async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline: float, *,
                keepalive_s: float, result_poll_s: float) -> AsyncIterator:
+    """Each message (or KEEPALIVE) of ``pump_batches``, one at a time."""
+    async for batch in pump_batches(broker, inbox, pending, deadline, keepalive_s=keepalive_s,
+                                    result_poll_s=result_poll_s):
+        for msg in batch:
+            yield msg
+
+
+async def pump_batches(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline: float, *,
+                       keepalive_s: float, result_poll_s: float) -> AsyncIterator[list]:
+    """The messages as lists: the one awaited and every other already in the inbox. A reader that has fallen
+    behind (a busy event loop, a slow client) handles what piled up in one go, e.g. as one write to its
+    client, instead of paying a write and a wake-up per message."""
     loop = asyncio.get_running_loop()
     next_poll = loop.time() + result_poll_s
     last_sent = loop.time()
@@ -36,25 +48,36 @@ async def pump(broker: Broker, inbox: asyncio.Queue, pending: set[str], deadline
             raise TimeoutError
         wait = min(deadline, next_poll, last_sent + keepalive_s) - now
         try:
-            msg = inbox.get_nowait() if not inbox.empty() else await _get_within(inbox, max(wait, 0.0))
+            first = inbox.get_nowait() if not inbox.empty() else await _get_within(inbox, max(wait, 0.0))
         except asyncio.TimeoutError:
             now = loop.time()
+            batch = []
             if now >= next_poll:
                 next_poll = now + result_poll_s
                 for msg in await _poll_results(broker, pending):
                     pending.discard(msg["id"])
-                    last_sent = now
-                    yield msg
-            if pending and now - last_sent >= keepalive_s:
+                    batch.append(msg)
+            if pending and not batch and now - last_sent >= keepalive_s:
+                batch.append(KEEPALIVE)
+            if batch:
                 last_sent = now
-                yield KEEPALIVE
+                yield batch
             continue
-        if msg.get("id") not in pending:
-            continue  # after a polled final
-        if msg["type"] == "final":
-            pending.discard(msg["id"])
-        last_sent = loop.time()
-        yield msg
+        batch = _still_pending(first, pending)
+        while pending and not inbox.empty():
+            batch += _still_pending(inbox.get_nowait(), pending)
+        if batch:
+            last_sent = loop.time()
+            yield batch
+
+
+def _still_pending(msg: dict, pending: set[str]) -> list[dict]:
+    """``[msg]`` if its request still waits for messages (dropped after its final, e.g. a polled one)."""
+    if msg.get("id") not in pending:
+        return []
+    if msg["type"] == "final":
+        pending.discard(msg["id"])
+    return [msg]
 
 
 if sys.version_info >= (3, 11):

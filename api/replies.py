@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from api.broker import Broker
 from api.jobs import Job
-from api.pump import KEEPALIVE, pump
+from api.pump import KEEPALIVE, pump, pump_batches
 from api.settings import Settings
 from worker import contract as c
 
@@ -38,6 +38,11 @@ class Replies:
         """The messages of the ``pending`` requests until each has its final (``api.pump``)."""
         return pump(self.broker, inbox, pending, deadline, keepalive_s=self.settings.keepalive_s,
                     result_poll_s=self.settings.result_poll_s)
+
+    def pump_batches(self, inbox: asyncio.Queue, pending: set[str], deadline: float) -> AsyncIterator[list]:
+        """The same messages, each batch what had arrived by the time it was read (``api.pump``)."""
+        return pump_batches(self.broker, inbox, pending, deadline, keepalive_s=self.settings.keepalive_s,
+                            result_poll_s=self.settings.result_poll_s)
 
     async def collect(self, inbox: asyncio.Queue, pending: set[str], deadline: float) -> dict[str, c.Result]:
         """The final results of the ``pending`` requests, by id."""

@@ -69,36 +69,44 @@ class StreamSession:
         self.echo_logprobs = bool(job.shape.echo_texts) and job.requests[0].params.get("prompt_logprobs") is not None
 
     async def events(self) -> AsyncIterator[bytes]:
+        """The stream's bytes: what arrived together goes to the client in one write."""
         loop = asyncio.get_running_loop()
         for frame in self._echo():
             yield frame
         try:
-            async for msg in self.replies.pump(self.inbox, self.pending, self.replies.deadline(self.job)):
-                if msg is KEEPALIVE:
-                    yield SSE_KEEPALIVE
-                elif msg["type"] == "delta":
-                    for frame in self._on_delta(msg, loop.time()):
-                        yield frame
-                elif msg["type"] == "final":
-                    error = self._on_final(msg)
-                    frames, mismatch = self._finish_choices(self.results[msg["id"]], msg["id"])
-                    for frame in frames:
-                        yield frame
-                    error = error or mismatch
-                    if error is not None:
-                        for frame in self.failed(error):
-                            yield frame
-                        return
+            async for batch in self.replies.pump_batches(self.inbox, self.pending, self.replies.deadline(self.job)):
+                frames, ended = self._on_batch(batch, loop.time())
+                if frames:
+                    yield b"".join(frames)
+                if ended:
+                    return
         except TimeoutError:
             await self.replies.cancel(sorted(self.pending), "request timeout")
             self.pending.clear()
-            for frame in self.failed(error_body(f"no result within the request timeout "
-                                                f"({self.replies.timeout_s:g} s); the request was cancelled",
-                                                "timeout", code="timeout")):
-                yield frame
+            yield b"".join(self.failed(error_body(f"no result within the request timeout "
+                                                  f"({self.replies.timeout_s:g} s); the request was cancelled",
+                                                  "timeout", code="timeout")))
             return
-        for frame in self.completed([self.results[rid] for rid in self.job.request_ids]):
-            yield frame
+        closing = self.completed([self.results[rid] for rid in self.job.request_ids])
+        if closing:
+            yield b"".join(closing)
+
+    def _on_batch(self, batch: list, now: float) -> tuple[list[bytes], bool]:
+        """The frames of messages that arrived together, and whether the stream ended with an error."""
+        frames: list[bytes] = []
+        for msg in batch:
+            if msg is KEEPALIVE:
+                frames.append(SSE_KEEPALIVE)
+            elif msg["type"] == "delta":
+                frames += self._on_delta(msg, now)
+            elif msg["type"] == "final":
+                error = self._on_final(msg)
+                finished, mismatch = self._finish_choices(self.results[msg["id"]], msg["id"])
+                frames += finished
+                error = error or mismatch
+                if error is not None:
+                    return frames + self.failed(error), True
+        return frames, False
 
     # -- framing (the Responses API's stream frames the same chunks as its events) --------------
 
