@@ -224,6 +224,13 @@ def check_fp8_weights() -> None:
     for act in (ACT_NONE, ACT_RELU_SQUARE):
         assert rel(small_matmul(x, m, act), small_matmul_ref(x[None], deq[None], act)[0]) < 1e-5, ("fp8", act)
     assert rel(small_matmul_partials(x, m, 2).sum(0), x @ deq.T) < 1e-5, "fp8 partials"
+    # the r/k/v projections of larger batches: three inputs quantized in one launch, each GEMM into its slice
+    from engine.cuda.kernels import fp8_linear, fp8_linear_stacked
+    xs = torch.randn(3, 16, 96, generator=gen)
+    ms = tuple(Fp8Matrix.of(torch.randn(40, 96, generator=gen) / 10) for _ in range(3))
+    for rows in (16, 5):  # 5: not a multiple of 16, one padded GEMM each
+        want = torch.stack([fp8_linear(xs[j, :rows], mm) for j, mm in enumerate(ms)])
+        assert torch.equal(fp8_linear_stacked(xs[:, :rows].contiguous(), ms), want), ("fp8 stacked", rows)
     w32 = weights_from_state_dict(random_state_dict(layers=2, width=128, vocab=500, head_size=32, seed=7))
     w8 = w32.quantized_fp8()
     ref = ReferenceRwkv7(w8.dequantized(torch.float32), StatePool(w32.shape, 4, "cpu"))

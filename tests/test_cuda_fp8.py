@@ -51,6 +51,18 @@ def test_the_activation_quantize_kernel_is_the_torch_quantization_bit_for_bit(ac
     assert rel_err(got, xa.float() @ w.dequantized(torch.float32).T) < 0.08
 
 
+@pytest.mark.parametrize("rows", [64, 20])
+def test_the_stacked_rkv_projections_are_the_separate_ones_bit_for_bit(rows):
+    needs_fp8()
+    from engine.cuda.kernels import fp8_linear, fp8_linear_stacked
+    from engine.quant import Fp8Matrix
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    xs = torch.randn(3, rows, 512, device=DEVICE, generator=gen).to(torch.bfloat16)
+    ms = tuple(Fp8Matrix.of(torch.randn(512, 512, device=DEVICE, generator=gen)) for _ in range(3))
+    want = torch.stack([fp8_linear(xs[j], m) for j, m in enumerate(ms)])
+    assert torch.equal(fp8_linear_stacked(xs, ms), want)
+
+
 def test_fp8_decode_tracks_bf16_within_its_kl_budget():
     """1.5B shape, random weights: 48 teacher-forced steps at batch 4 (weight-streaming kernels) and 64 (fp8
     GEMMs); KL of the fp8 distribution from the bf16 one ≤ 1e-2 at p99."""

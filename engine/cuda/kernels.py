@@ -463,11 +463,8 @@ def _quantize_rows_kernel(x, q, scale, M, K, sxm, ACT: tl.constexpr, BLOCK: tl.c
     tl.store(scale + m, s)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Matrix, act: int = ACT_NONE, out_dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """``act(x) @ wᵀ`` on fp8 tensor cores: ``x`` [M, K] quantized per row in one launch (``act`` applied
-    first: the FFN's relu² fused into its value projection's input), one ``torch._scaled_mm`` with both scales
-    (rows padded to 16 there, dropped here)."""
+def _quantize_activations(x: torch.Tensor, act: int = ACT_NONE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``act(x)`` [M, K] in e4m3 per row, one launch: (rows padded with zeros to a multiple of 16, their scales)."""
     M, K = x.shape
     Mp = -(-M // GEMM_MULTIPLE) * GEMM_MULTIPLE
     assert x.stride(1) == 1
@@ -476,9 +473,35 @@ def fp8_linear(x: torch.Tensor, w: Fp8Matrix, act: int = ACT_NONE, out_dtype: to
     BLOCK = triton.next_power_of_2(K)
     _quantize_rows_kernel[(Mp,)](x, q, scale, M, K, x.stride(0), ACT=act, BLOCK=BLOCK,
                                  num_warps=min(16, max(4, BLOCK // 512)))
+    return q, scale
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Matrix, act: int = ACT_NONE, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """``act(x) @ wᵀ`` on fp8 tensor cores: ``x`` [M, K] quantized per row in one launch (``act`` applied
+    first: the FFN's relu² fused into its value projection's input), one ``torch._scaled_mm`` with both scales
+    (rows padded to 16 there, dropped here)."""
+    M = x.shape[0]
+    q, scale = _quantize_activations(x, act)
     y = torch._scaled_mm(q, w.q.t(), scale_a=scale[:, None], scale_b=w.scale[None, :],
                          out_dtype=out_dtype or x.dtype)
-    return y[:M] if Mp != M else y
+    return y[:M] if q.shape[0] != M else y
+
+
+def fp8_linear_stacked(xs: torch.Tensor, ws: tuple[Fp8Matrix, ...]) -> torch.Tensor:
+    """``xs[j] @ ws[j]ᵀ`` for each j → ``[n, M, N]`` (the r/k/v projections): the n inputs quantized in one
+    launch and each product written into its slice of the output, no stack copy. Rows not a multiple of 16
+    (no padding inside the stack): one ``fp8_linear`` each."""
+    n, M, K = xs.shape
+    if M % GEMM_MULTIPLE or not xs.is_contiguous():
+        return torch.stack([fp8_linear(xs[j], w) for j, w in enumerate(ws)])
+    q, scale = _quantize_activations(xs.view(n * M, K))
+    out = torch.empty(n, M, ws[0].q.shape[0], dtype=xs.dtype, device=xs.device)
+    for j, w in enumerate(ws):
+        rows = slice(j * M, (j + 1) * M)
+        torch._scaled_mm(q[rows], w.q.t(), scale_a=scale[rows, None], scale_b=w.scale[None, :],
+                         out_dtype=xs.dtype, out=out[j])
+    return out
 
 
 def pack_time_mix_in(rkv: list[torch.Tensor], down: list[torch.Tensor], up: list[torch.Tensor]

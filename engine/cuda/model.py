@@ -36,10 +36,10 @@ from engine.cuda.prefill_graphs import PrefillBucket, PrefillGraphs, PrefillInpu
 from engine.cuda.varlen import PackedChunks
 from engine.device import to_device
 from engine.quant import SCALE_SUFFIX, Fp8Matrix, quantize_rows
-from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, fp8_linear, ln_shift_mix, lora_up,
-                                 pack_time_mix_in, prefill_ln_shift_mix, prefill_mix_in, prefill_mix_out,
-                                 relu_square_, small_matmul, small_matmul_partials, split_k, time_mix_in,
-                                 wkv7_decode)
+from engine.cuda.kernels import (ACT_RELU_SQUARE, SMALL_MATMUL_MAX_ROWS, fp8_linear, fp8_linear_stacked,
+                                 ln_shift_mix, lora_up, pack_time_mix_in, prefill_ln_shift_mix, prefill_mix_in,
+                                 prefill_mix_out, relu_square_, small_matmul, small_matmul_partials, split_k,
+                                 time_mix_in, wkv7_decode)
 from engine.scoring import score_positions
 from engine.sequence import TokenLogprob
 from engine.state import StatePool
@@ -191,8 +191,8 @@ class CudaRwkv7:
         lo = torch.bmm(mixed[3:7], L.lora_down.transpose(1, 2))
         lo[0].tanh_()
         lo[3].sigmoid_()
-        if isinstance(L.rkv, tuple):  # fp8: one GEMM each
-            rkv = torch.stack([fp8_linear(mixed[j], m) for j, m in enumerate(L.rkv)])
+        if isinstance(L.rkv, tuple):  # fp8: the three inputs quantized in one launch, one GEMM each
+            rkv = fp8_linear_stacked(mixed[0:3], L.rkv)
         else:
             rkv = torch.bmm(mixed[0:3], L.rkv.transpose(1, 2))
         return rkv, torch.bmm(lo, L.lora_up.transpose(1, 2))
