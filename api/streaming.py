@@ -17,6 +17,7 @@ from api.errors import error_body
 from api.formatting import FINISH_ABORT, Formatter
 from api.jobs import Job
 from api.metrics import Metrics
+from api.middleware import BODY_SEND
 from api.pump import KEEPALIVE
 from api.replies import Replies
 from api.responses import SSE_DONE, SSE_KEEPALIVE, sse_event
@@ -36,12 +37,22 @@ class EventStream(StreamingResponse):
         self.session = session
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.body_send = scope.get(BODY_SEND, send)
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self.session.close()
+
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, with the body chunks sent below our middlewares (``api.middleware.BODY_SEND``)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self.body_send
+        async for chunk in self.body_iterator:
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class StreamSession:
