@@ -167,7 +167,10 @@ class ModelRunner:
         self._host_slab = background(lambda: CheckpointSlab(self.pool, host_rows, self.vocab_size, torch.float32,
                                                              "cpu", pinned=True)) if host_rows else None
         self.prefix_cache_row_bytes = row_bytes
-        self.prefix_cache = PrefixCache(device_rows * row_bytes, host_rows * row_bytes, demote=self._demote,
+        # With a host tier, a quarter of the device rows is not the cache's to fill: rows on their way to the host
+        # (an asynchronous copy queued after the step in flight) leave free rows for the checkpoints that follow
+        kept_rows = device_rows - (device_rows // 4 if host_rows else 0)
+        self.prefix_cache = PrefixCache(kept_rows * row_bytes, host_rows * row_bytes, demote=self._demote,
                                         release=self._release, min_tokens=c.prefix_min_tokens,
                                         interval=c.prefix_interval)
         log.info("prefix cache", extra={"device_checkpoints": device_rows, "host_checkpoints": host_rows,
@@ -202,12 +205,15 @@ class ModelRunner:
         return False, host_row
 
     def _take_device_row(self) -> int:
-        """A free device row: those whose demotion copies have passed are given back first (waiting for the
-        oldest where no row is free otherwise)."""
+        """A free device row: those whose demotion copies have passed are given back first. Where every free row
+        is still being copied out, the oldest is taken and the compute stream waits for its copy; the host never
+        waits (a host wait here would stall the loop behind the step in flight)."""
         slab = self._slabs[True]
-        while self._demoting and (self._demoting[0][0].query() or slab.num_free == 0):
+        while self._demoting and self._demoting[0][0].query():
+            slab.give(self._demoting.popleft()[1])
+        if slab.num_free == 0 and self._demoting:
             done, row = self._demoting.popleft()
-            done.synchronize()
+            torch.cuda.current_stream(self.device).wait_event(done)
             slab.give(row)
         return slab.take()
 
