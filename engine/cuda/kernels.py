@@ -143,10 +143,13 @@ def _wkv7_decode_head(state, slot, b, h, r, k, v, w_lora, a_lora, v_lora, g, v_f
     tl.store(out + row, ((yn + bonus) * gate).to(out.dtype.element_ty))
 
 
-# more warps per head tile hide more of the state's load latency: tuned on the GPU once per decode path (small
-# batches, ≤ 16 rows / large ones), not per batch size: the warp count sets the order of the per-head sums, and a
-# row's result must not depend on how many rows share its step (a graph pads 11 rows to 16; batch invariance).
-# (the autotuner needs a GPU driver, so the interpreter on CPU runs the plain kernel)
+# The warp count is one per decode path, never per batch size: it sets the order of the per-head sums, and a row's
+# result must not depend on how many rows share its step (a graph pads 11 rows to 16; batch invariance).
+# Small batches (≤ 16 rows): tuned on the GPU (the autotuner needs a GPU driver, so the interpreter on CPU runs the
+# plain kernel). Large batches: fixed. `benchmarks.wkv_bandwidth --sweep` on an H100 (commit 3cabcae, 2026-12-07):
+# one head per program with 2 warps was the fastest launch at batch 256 and 1,024, fp32 and bf16 state (fp32: 161 /
+# 433 µs a layer against 207 / 452 for what the autotuner had picked at its first call); the H200's table holds 2.
+WKV_LARGE_BATCH_WARPS = 2
 _wkv7_decode_tuned = triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)],
                                      key=["C", "LARGE_BATCH"], restore_value=["state", "v_first", "out"])(_wkv7_decode_kernel)
 
@@ -157,7 +160,7 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
     """Fused decode time-mix core for one layer. ``state`` is the layer's ``[S, H, N, N]`` pool view; ``r``,
     ``k``, ``v`` share a row stride, the other rows are contiguous. ``r``, ``k``, ``v`` may be ``[S, B, C]``:
     a split-K projection's fp32 partial sums, added here.
-    ``large_batch``: the cuBLAS decode path (launched with PDL, tuned apart: see the module's doc)."""
+    ``large_batch``: the cuBLAS decode path (launched with PDL, one fixed launch: see ``WKV_LARGE_BATCH_WARPS``)."""
     r3, k3, v3 = (t if t.dim() == 3 else t[None] for t in (r, k, v))
     _, B, C = r3.shape
     H, N = state.shape[1], state.shape[2]
@@ -165,6 +168,8 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
     use_pdl = large_batch and pdl(state.device)
     kernel, extra = ((_wkv7_decode_tuned, {"launch_pdl": use_pdl}) if state.is_cuda
                      else (_wkv7_decode_kernel, {"num_warps": 4}))
+    if state.is_cuda and large_batch:
+        kernel, extra = _wkv7_decode_kernel, {"launch_pdl": use_pdl, "num_warps": WKV_LARGE_BATCH_WARPS}
     if config is not None:  # a benchmark's fixed choice: HEADS, STAGES, num_warps
         kernel, extra = _wkv7_decode_kernel, {**extra, **config}
     kernel[lambda meta: (B, H // meta.get("HEADS", 1))](
