@@ -38,12 +38,19 @@ def small_weights():
 @pytest.mark.parametrize("act", [0, 1], ids=["plain", "relu2"])
 def test_the_activation_quantize_kernel_is_the_torch_quantization_bit_for_bit(act):
     needs_fp8()
-    from engine.cuda.kernels import fp8_linear
-    from engine.quant import Fp8Matrix
+    from engine.cuda.kernels import _quantize_activations, fp8_linear
+    from engine.quant import Fp8Matrix, quantize_rows
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(37, 512, device=DEVICE, generator=gen).to(torch.bfloat16)
     w = Fp8Matrix.of(torch.randn(256, 512, device=DEVICE, generator=gen))
     xa = x if act == 0 else torch.relu(x.float()).square().to(torch.bfloat16)
+    q, scale = _quantize_activations(x, act)
+    want_q, want_scale = quantize_rows(xa if act == 0 else torch.relu(x.float()).square())
+    assert torch.equal(scale[:37], want_scale)
+    differ = (q[:37].view(torch.uint8) != want_q.view(torch.uint8)).nonzero()
+    assert len(differ) == 0, (f"{len(differ)} of {q[:37].numel()} bytes differ, e.g. at {differ[:3].tolist()}: "
+                              f"{[(xa[i, j].item(), q[i, j].item(), want_q[i, j].item()) for i, j in differ[:3].tolist()]}")
+    assert not q[37:].float().any() and torch.equal(scale[37:], torch.ones_like(scale[37:]))  # the GEMM's padding
     got = fp8_linear(x, w, act=act)
     if act == 0:  # the same quantized rows, the same GEMM: the same bits
         assert torch.equal(got, w.linear(x))
