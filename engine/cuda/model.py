@@ -152,14 +152,19 @@ class CudaRwkv7:
         pool = self.pool
         x = self.emb[token_ids]
         v_first, att_mixed, ffn_mixed, att = self._step_buffers(token_ids.shape[0])
+        residual = None  # fp8: the last projection's product, added to x by the next LayerNorm kernel
         for i, L in enumerate(self.layers):
-            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, large_batch=True)
+            ln_shift_mix(x, L.ln1, pool.att_shift[i], slots, L.att_mix, att_mixed, large_batch=True,
+                         partials=residual)
             rkv, up = self._time_mix_projections(L, att_mixed)
             wkv7_decode(pool.wkv[i], slots, rkv[0], rkv[1], rkv[2], up[0], up[1], up[2], up[3], v_first,
                         L.p, i, self.eps, att, large_batch=True)
-            _add_linear_(x, att, L.output)
-            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=True)
-            self._channel_mix(L, ffn_mixed[0], x)
+            residual = _add_linear_(x, att, L.output, defer=True)
+            ln_shift_mix(x, L.ln2, pool.ffn_shift[i], slots, L.ffn_mix, ffn_mixed, large_batch=True,
+                         partials=residual)
+            residual = self._channel_mix(L, ffn_mixed[0], x, defer=True)
+        if residual is not None:
+            x.add_(residual[0])
         return self._head(self._normed(x))
 
     def _decode_small(self, token_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -198,12 +203,14 @@ class CudaRwkv7:
         return rkv, torch.bmm(lo, L.lora_up.transpose(1, 2))
 
     @staticmethod
-    def _channel_mix(L: Layer, mixed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """cuBLAS: ``x + relu(mixed @ key.T)² @ value.T``, in place (fp8: relu² fused into the value GEMM's input
-        quantization)."""
+    def _channel_mix(L: Layer, mixed: torch.Tensor, x: torch.Tensor, defer: bool = False) -> torch.Tensor | None:
+        """cuBLAS: ``x += relu(mixed @ key.T)² @ value.T``, in place (fp8: relu² fused into the value GEMM's input
+        quantization; ``defer``: the product returned as for ``_add_linear_``)."""
         if isinstance(L.ffn_key, Fp8Matrix):
-            return x.add_(fp8_linear(fp8_linear(mixed, L.ffn_key), L.ffn_value, act=ACT_RELU_SQUARE))
-        return x.addmm_(relu_square_(F.linear(mixed, L.ffn_key)), L.ffn_value.t())
+            y = fp8_linear(fp8_linear(mixed, L.ffn_key), L.ffn_value, act=ACT_RELU_SQUARE)
+            return _added_or_deferred(x, y, defer)
+        x.addmm_(relu_square_(F.linear(mixed, L.ffn_key)), L.ffn_value.t())
+        return None
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         """The output LayerNorm (what the head reads)."""
@@ -291,8 +298,19 @@ def _matrix(t: dict, name: str) -> torch.Tensor | Fp8Matrix:
     return t[name] if scale is None else Fp8Matrix(t[name], scale)
 
 
-def _add_linear_(x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor | Fp8Matrix) -> torch.Tensor:
-    """``x += inp @ wᵀ``, in place: the residual stream."""
+def _add_linear_(x: torch.Tensor, inp: torch.Tensor, w: torch.Tensor | Fp8Matrix, defer: bool = False
+                 ) -> torch.Tensor | None:
+    """``x += inp @ wᵀ``, in place: the residual stream (cuBLAS adds it in the GEMM). ``defer`` with fp8 weights:
+    the product is returned as ``[1, B, C]`` instead, for the next LayerNorm kernel to add (``ln_shift_mix``'s
+    partials; the same rounding as an add of its own, one launch fewer)."""
     if isinstance(w, Fp8Matrix):
-        return x.add_(fp8_linear(inp, w))
-    return x.addmm_(inp, w.t())
+        return _added_or_deferred(x, fp8_linear(inp, w), defer)
+    x.addmm_(inp, w.t())
+    return None
+
+
+def _added_or_deferred(x: torch.Tensor, y: torch.Tensor, defer: bool) -> torch.Tensor | None:
+    if defer:
+        return y[None]
+    x.add_(y)
+    return None
