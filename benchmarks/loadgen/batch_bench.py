@@ -189,12 +189,16 @@ def check_outputs(client, batch, num_lines: int) -> dict:
             "unexpected": len(set(seen) - expected), "errors": errors}
 
 
+def read_result(path: str) -> dict:
+    with open(path, "rb") as f:
+        return orjson.loads(f.read())
+
+
 def engine_only_seconds(path: str | None, args: argparse.Namespace) -> float | None:
     """The reference duration; warns when the saved run's workload is not this one."""
     if not path:
         return None
-    with open(path, "rb") as f:
-        saved = orjson.loads(f.read())
+    saved = read_result(path)
     config = saved.get("config") or {}
     ours = {"num_prompts": args.num_lines, "input_len": args.input_len, "output_len": args.output_len,
             "shared_prefix_len": args.shared_prefix_len,
@@ -212,8 +216,7 @@ def cache_off_seconds(path: str | None, args: argparse.Namespace) -> float | Non
     """The same batch's wall seconds on a service with the prefix cache off (this program's saved result)."""
     if not path:
         return None
-    with open(path, "rb") as f:
-        saved = orjson.loads(f.read())
+    saved = read_result(path)
     config = saved.get("config") or {}
     keys = ("num_lines", "input_len", "shared_prefix_len", "output_len", "seed", "endpoint", "temperature")
     differ = [k for k in keys if config.get(k) != getattr(args, k)]
