@@ -65,3 +65,28 @@ def test_a_quiet_inbox_gives_keepalives_then_the_deadline_ends_it():
                 got.append(batch)
         assert got and all(b == [KEEPALIVE] for b in got) and 2 <= len(got) <= 4
     asyncio.run(main())
+
+
+def test_waiting_pumps_share_one_ticker_that_forgets_each_when_it_ends():
+    from api.pump import Ticker
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        inboxes = [asyncio.Queue() for _ in range(100)]
+        pumps = [pump_batches(None, q, {f"r{i}"}, loop.time() + 10, keepalive_s=0.2, result_poll_s=60.0)
+                 for i, q in enumerate(inboxes)]
+        first = [asyncio.ensure_future(p.__anext__()) for p in pumps]
+        await asyncio.sleep(0.01)
+        ticker = Ticker.of(loop)
+        assert len(ticker.due) == 100 and not ticker.task.done()
+        for i, q in enumerate(inboxes):
+            q.put_nowait(delta(f"r{i}", 0))
+        assert [await f for f in first] == [[delta(f"r{i}", 0)] for i in range(100)]
+        second = [asyncio.ensure_future(p.__anext__()) for p in pumps]
+        assert all(b == [KEEPALIVE] for b in [await f for f in second])  # woken by the ticker: ~0.2 s quiet
+        for p in pumps:
+            await p.aclose()
+        assert len(ticker.due) == 0
+        await asyncio.sleep(2 * 0.05 + 0.01)
+        assert ticker.task.done()  # nothing to wait for: its task ended
+    asyncio.run(main())
