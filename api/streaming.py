@@ -45,7 +45,6 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
                 await self.session.close()
 
-
     async def stream_response(self, send: Send) -> None:
         """Starlette's, with the body chunks sent below our middlewares (``api.middleware.BODY_SEND``)."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

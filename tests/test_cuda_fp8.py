@@ -48,8 +48,8 @@ def test_the_activation_quantize_kernel_is_the_torch_quantization_bit_for_bit(ac
     want_q, want_scale = quantize_rows(xa if act == 0 else torch.relu(x.float()).square())
     assert torch.equal(scale[:37], want_scale)
     differ = (q[:37].view(torch.uint8) != want_q.view(torch.uint8)).nonzero()
-    assert len(differ) == 0, (f"{len(differ)} of {q[:37].numel()} bytes differ, e.g. at {differ[:3].tolist()}: "
-                              f"{[(xa[i, j].item(), q[i, j].item(), want_q[i, j].item()) for i, j in differ[:3].tolist()]}")
+    examples = [(xa[i, j].item(), q[i, j].item(), want_q[i, j].item()) for i, j in differ[:3].tolist()]
+    assert len(differ) == 0, f"{len(differ)} of {q[:37].numel()} bytes differ, e.g. (x, ours, torch's): {examples}"
     assert not q[37:].float().any() and torch.equal(scale[37:], torch.ones_like(scale[37:]))  # the GEMM's padding
     got = fp8_linear(x, w, act=act)
     if act == 0:  # the same quantized rows, the same GEMM: the same bits

@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """The `gaggle bench` flags of the same workload: its own functions then build the same requests and bodies."""
     return argparse.Namespace(endpoint=args.endpoint, dataset_path=None, num_prompts=args.num_lines,
-                              input_len=args.input_len, shared_prefix_len=args.shared_prefix_len, output_len=args.output_len, range_ratio=0.0, seed=args.seed,
+                              input_len=args.input_len, shared_prefix_len=args.shared_prefix_len,
+                              output_len=args.output_len, range_ratio=0.0, seed=args.seed,
                               temperature=args.temperature, top_p=None, top_k=None, ignore_eos=True)
 
 

@@ -93,8 +93,8 @@ def sampling_fields(args: argparse.Namespace) -> dict:
 
 def config_of(args: argparse.Namespace, model: str | None) -> dict:
     keys = ("base_url", "endpoint", "dataset_path", "num_prompts", "input_len", "shared_prefix_len", "output_len",
-            "range_ratio", "burstiness", "max_concurrency", "seed", "temperature", "top_p", "top_k", "ignore_eos", "stream",
-            "engine_only", "timeout")
+            "range_ratio", "burstiness", "max_concurrency", "seed", "temperature", "top_p", "top_k", "ignore_eos",
+            "stream", "engine_only", "timeout")
     config = {k: getattr(args, k) for k in keys}
     config["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
     config["model"] = model
