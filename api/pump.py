@@ -105,7 +105,7 @@ class Ticker:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.due: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inbox -> loop time to wake it
+        self.due: dict[asyncio.Queue, float] = {}  # inbox -> loop time to wake it (a pump forgets its own at its end)
         self.task: asyncio.Task | None = None
 
     @classmethod
