@@ -166,10 +166,12 @@ def wkv7_decode(state: torch.Tensor, slots: torch.Tensor, r, k, v, w_lora, a_lor
     H, N = state.shape[1], state.shape[2]
     assert r3.stride() == k3.stride() == v3.stride() and r3.stride(2) == 1
     use_pdl = large_batch and pdl(state.device)
-    kernel, extra = ((_wkv7_decode_tuned, {"launch_pdl": use_pdl}) if state.is_cuda
-                     else (_wkv7_decode_kernel, {"num_warps": 4}))
-    if state.is_cuda and large_batch:
+    if not state.is_cuda:
+        kernel, extra = _wkv7_decode_kernel, {"num_warps": 4}
+    elif large_batch:
         kernel, extra = _wkv7_decode_kernel, {"launch_pdl": use_pdl, "num_warps": WKV_LARGE_BATCH_WARPS}
+    else:
+        kernel, extra = _wkv7_decode_tuned, {"launch_pdl": use_pdl}
     if config is not None:  # a benchmark's fixed choice: HEADS, STAGES, num_warps
         kernel, extra = _wkv7_decode_kernel, {**extra, **config}
     kernel[lambda meta: (B, H // meta.get("HEADS", 1))](
