@@ -74,12 +74,11 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
                               temperature=args.temperature, top_p=None, top_k=None, ignore_eos=True)
 
 
-def batch_lines(args: argparse.Namespace, model: str) -> bytes:
+def batch_lines(args: argparse.Namespace, model: str, requests: list) -> bytes:
     """The JSONL input: line i is the body gaggle bench sends as request i (not streamed)."""
-    ba = bench_args(args)
-    sampling = sampling_fields(ba)
+    sampling = sampling_fields(bench_args(args))
     out = []
-    for i, req in enumerate(build_requests(ba)):
+    for i, req in enumerate(requests):
         body = orjson.Fragment(build_body(req, model, args.endpoint == CHAT, sampling, False))
         out.append(orjson.dumps({"custom_id": f"line-{i}", "method": "POST", "url": args.endpoint, "body": body}))
     return b"\n".join(out) + b"\n"
@@ -227,13 +226,12 @@ def cache_off_seconds(path: str | None, args: argparse.Namespace) -> float | Non
     return float(saved["batch_wall_s"])
 
 
-def unique_prompt_tokens(args: argparse.Namespace) -> int | None:
+def unique_prompt_tokens(args: argparse.Namespace, requests: list) -> int | None:
     """Prompt tokens a perfect prefix cache computes: the shared prefix once, then each line's own (token-id
     prompts; None for chat, whose template adds tokens the client does not count)."""
     if args.endpoint == CHAT:
         return None
-    return args.shared_prefix_len + sum(r.prompt_len - args.shared_prefix_len
-                                        for r in build_requests(bench_args(args)))
+    return args.shared_prefix_len + sum(r.prompt_len - args.shared_prefix_len for r in requests)
 
 
 def render(r: dict) -> str:
@@ -286,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or client.models.list().data[0].id
     engine_s = engine_only_seconds(args.engine_only_result, args)
     cache_off_s = cache_off_seconds(args.cache_off_result, args)
-    unique = unique_prompt_tokens(args)
+    requests = build_requests(bench_args(args))  # the lines' requests, as gaggle bench builds them
+    unique = unique_prompt_tokens(args, requests)
     with tempfile.NamedTemporaryFile(prefix="batch-bench-", suffix=".jsonl") as f:
-        f.write(batch_lines(args, model))
+        f.write(batch_lines(args, model, requests))
         f.flush()
         uploaded = client.files.create(file=Path(f.name), purpose="batch")  # the SDK reads a path, names the part
     trickle_client = openai.OpenAI(base_url=client.base_url, api_key=args.api_key, max_retries=0, timeout=120)
