@@ -28,7 +28,6 @@ def browser():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
-@pytest.mark.skipif(CHROMEDRIVER is None, reason="no chromedriver: `make test` installs chromium-driver")
 def unless_stale(read):
     """``read()``, or None where the page redrew the element between finding and reading it (or has none yet)."""
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
@@ -38,6 +37,7 @@ def unless_stale(read):
         return None
 
 
+@pytest.mark.skipif(CHROMEDRIVER is None, reason="no chromedriver: `make test` installs chromium-driver")
 def test_status_page_shows_a_live_worker_and_its_numbers_move(redis_server, tiny_model_path):
     from selenium.webdriver.common.by import By
     flushed(redis_server.url)
