@@ -71,15 +71,18 @@ class CacheStats:
 class PrefixCache:
     """The tree and the tiers. The runner passes ``demote(payload) -> payload`` (a device checkpoint copied to
     host memory, its device storage given back) and ``release(payload)`` (a dropped checkpoint's storage given
-    back). ``min_tokens``: no checkpoint for shorter prefixes; ``interval``: checkpoints every that many tokens
-    inside long prompts (0: none); ``max_path_tokens``: the tree's stored paths, bounded."""
+    back), and may pass ``can_demote() -> bool``: False while a copy to the host now would have to wait for
+    earlier ones (the checkpoint pushed out is dropped instead). ``min_tokens``: no checkpoint for shorter
+    prefixes; ``interval``: checkpoints every that many tokens inside long prompts (0: none); ``max_path_tokens``:
+    the tree's stored paths, bounded."""
 
     def __init__(self, device_bytes: int, host_bytes: int, demote: Callable[[object], object] | None = None,
                  release: Callable[[object], None] | None = None, min_tokens: int = 32, interval: int = 0,
-                 max_path_tokens: int = 4_000_000):
+                 max_path_tokens: int = 4_000_000, can_demote: Callable[[], bool] | None = None):
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.demote = demote
+        self.can_demote = can_demote
         self.release = release
         self.min_tokens = max(1, min_tokens)
         self.interval = interval
@@ -196,11 +199,11 @@ class PrefixCache:
                 self._touch(node.checkpoint)
                 return node.checkpoint
             self._remove(node.checkpoint)
+        self._supersede_above(node)  # first: a finished answer's own prompt end is dropped, not copied, for room
         self._make_room(True, nbytes)
         cp = Checkpoint(store(), nbytes, on_device=True, has_logits=has_logits, node=node, shared=from_shared_tier,
                         divergence=shared or from_shared_tier)
         node.checkpoint = cp
-        self._supersede_above(node)
         node.used = next(self._tick)
         self._tiers[True][id(cp)] = cp
         self._used_bytes[True] += nbytes
@@ -242,12 +245,15 @@ class PrefixCache:
         path was made after it: a prompt's end once its answer's is kept, a chat turn's once the next turn's is)
         is dropped from the device tier rather than copied to the host: every later prompt on that path starts
         from the longer one, and the copy (a whole state over PCIe) is what moving it would cost. Divergence
-        points stay: prompts that leave the path there need them."""
+        points stay: prompts that leave the path there need them. A checkpoint pushed out while the copies to the
+        host are behind (``can_demote``: a burst of new checkpoints, such as a batch's wave of finished lines) is
+        dropped too: the host tier takes what the copies carry without holding up the steps."""
         tier, cap = self._tiers[on_device], self.device_bytes if on_device else self.host_bytes
         while tier and self._used_bytes[on_device] + nbytes > cap:
             cp = next(iter(tier.values()))
             worth_moving = cp.divergence or not cp.superseded
-            if on_device and self.demote is not None and cp.nbytes <= self.host_bytes and worth_moving:
+            if (on_device and self.demote is not None and cp.nbytes <= self.host_bytes and worth_moving
+                    and (self.can_demote is None or self.can_demote())):
                 self._move_to_host(cp)
             else:
                 self._remove(cp)

@@ -167,12 +167,13 @@ class ModelRunner:
         self._host_slab = background(lambda: CheckpointSlab(self.pool, host_rows, self.vocab_size, torch.float32,
                                                              "cpu", pinned=True)) if host_rows else None
         self.prefix_cache_row_bytes = row_bytes
-        # With a host tier, a quarter of the device rows is not the cache's to fill: rows on their way to the host
-        # (an asynchronous copy queued after the step in flight) leave free rows for the checkpoints that follow
-        kept_rows = device_rows - (device_rows // 4 if host_rows else 0)
-        self.prefix_cache = PrefixCache(kept_rows * row_bytes, host_rows * row_bytes, demote=self._demote,
-                                        release=self._release, min_tokens=c.prefix_min_tokens,
-                                        interval=c.prefix_interval)
+        # With a host tier, an eighth of the device rows is not the cache's to fill: rows on their way to the host
+        # (an asynchronous copy queued after the step in flight) leave free rows for the checkpoints that follow,
+        # and no more copies are started than there are such rows (the cache drops instead of waiting)
+        self._spare_rows = max(1, device_rows // 8) if host_rows and device_rows > 1 else 0
+        self.prefix_cache = PrefixCache((device_rows - self._spare_rows) * row_bytes, host_rows * row_bytes,
+                                        demote=self._demote, release=self._release, min_tokens=c.prefix_min_tokens,
+                                        interval=c.prefix_interval, can_demote=self._can_demote)
         log.info("prefix cache", extra={"device_checkpoints": device_rows, "host_checkpoints": host_rows,
                                         "checkpoint_bytes": row_bytes})
         return self.prefix_cache
@@ -204,13 +205,24 @@ class ModelRunner:
         self._host_ready[host_row] = done
         return False, host_row
 
+    def _can_demote(self) -> bool:
+        """A copy to the host started now finds a free device row for the checkpoint that pushed it out (no
+        wait): fewer copies in flight than spare rows. Without a side stream (CPU) copies are synchronous."""
+        self._reap_demotions()
+        return self._copy_stream is None or len(self._demoting) < self._spare_rows
+
+    def _reap_demotions(self) -> None:
+        """Device rows whose copies to the host have passed, given back."""
+        slab = self._slabs[True]
+        while self._demoting and self._demoting[0][0].query():
+            slab.give(self._demoting.popleft()[1])
+
     def _take_device_row(self) -> int:
         """A free device row: those whose demotion copies have passed are given back first. Where every free row
         is still being copied out, the oldest is taken and the compute stream waits for its copy; the host never
         waits (a host wait here would stall the loop behind the step in flight)."""
         slab = self._slabs[True]
-        while self._demoting and self._demoting[0][0].query():
-            slab.give(self._demoting.popleft()[1])
+        self._reap_demotions()
         if slab.num_free == 0 and self._demoting:
             done, row = self._demoting.popleft()
             torch.cuda.current_stream(self.device).wait_event(done)

@@ -210,3 +210,32 @@ def test_a_superseded_checkpoint_is_dropped_from_the_device_tier_not_moved_to_th
     assert c.plan([1] * 4 + [7] * 4 + [9]).checkpoint.payload == "host:answer"
     assert c.plan([2] * 4 + [5]).checkpoint.payload == "host:split"
     assert c.plan([1] * 4 + [6]).checkpoint is None  # only the longer path's state was worth a copy
+
+
+def test_a_checkpoint_pushed_out_while_the_copies_to_the_host_are_behind_is_dropped_not_moved():
+    """The runner says whether a copy to the host can start without waiting for earlier ones; where it cannot,
+    the least recent checkpoint is dropped (its storage given back at once) and the next push moves again."""
+    moved, released, copies_free = [], [], [True]
+    c = cache(device_bytes=20, host_bytes=100, demote=lambda p: moved.append(p) or f"host:{p}",
+              release=released.append, can_demote=lambda: copies_free[0])
+    c.add([1] * 4, 10, True, lambda: "a")
+    c.add([2] * 4, 10, True, lambda: "b")
+    copies_free[0] = False
+    c.add([3] * 4, 10, True, lambda: "c")  # a pushed out: dropped
+    copies_free[0] = True
+    c.add([4] * 4, 10, True, lambda: "d")  # b pushed out: moved
+    assert moved == ["b"] and released == ["a"]
+    assert c.plan([1] * 4 + [5]).checkpoint is None
+    assert c.plan([2] * 4 + [5]).checkpoint.payload == "host:b"
+    assert c.stats.demoted == 1 and c.stats.dropped == 1
+
+
+def test_an_answer_that_pushes_out_its_own_prompt_end_drops_it_rather_than_copying_it_to_the_host():
+    moved, released = [], []
+    c = cache(device_bytes=20, host_bytes=100, demote=lambda p: moved.append(p) or f"host:{p}",
+              release=released.append)
+    c.add([1] * 4, 10, True, lambda: "prompt")
+    c.add([2] * 4, 10, True, lambda: "other")
+    c.plan([2] * 4 + [5])  # the prompt's end is now the least recent
+    c.add([1] * 4 + [7] * 4, 10, False, lambda: "answer")
+    assert moved == [] and released == ["prompt"]
