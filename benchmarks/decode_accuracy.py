@@ -121,6 +121,19 @@ def load_weights(args):
     return preset_weights(args.shape), f"{args.shape} random bf16"
 
 
+def text_windows(path: str, streams: int, positions: int, gen: torch.Generator) -> torch.Tensor:
+    """``streams`` random windows of ``positions`` bytes of the text at ``path`` (a file, or a directory's ``.py``
+    and ``.txt`` files concatenated) as token ids ``[streams, positions]``."""
+    from pathlib import Path
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt"))
+    data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8)
+    if len(data) <= positions:
+        raise SystemExit(f"{path}: {len(data)} bytes, fewer than --positions {positions}")
+    starts = torch.randint(0, len(data) - positions, (streams,), generator=gen).tolist()
+    return torch.stack([data[s:s + positions] for s in starts]).long()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1.5b", help="a preset shape with random weights (unless --model)")
@@ -129,12 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--positions", type=int, default=8192)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--block", type=int, default=512, help="positions per block of the trend")
+    ap.add_argument("--text-bytes", help="a file or directory of text: the streams are windows of its bytes (token "
+                    "id = byte: a byte-level model's own kind of input, such as benchmarks.tiny_trained_model's) "
+                    "instead of random token ids")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
     args = ap.parse_args(argv)
     args.block = min(args.block, args.positions)
     weights, name = load_weights(args)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, weights.shape.vocab_size, (args.streams, args.positions), generator=gen)
+    if args.text_bytes:
+        tokens = text_windows(args.text_bytes, args.streams, args.positions, gen)
+        what = f"windows of the bytes of {args.text_bytes}"
+    else:
+        tokens = torch.randint(1, weights.shape.vocab_size, (args.streams, args.positions), generator=gen)
+        what = "random token streams"
     tokens = tokens.to(args.device)
     reference = build(weights, args.device, torch.float32, args.streams)
     rows = []
@@ -144,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([label] + report.row())
         del test
         reference = build(weights, args.device, torch.float32, args.streams)  # fresh states for the next mode
-    body = (f"Teacher-forced against fp32 state and unquantized weights, {name} weights: {args.streams} random "
-            f"token streams × {args.positions:,} positions, one token a step; KL(reference ‖ mode) in nats, per "
+    body = (f"Teacher-forced against fp32 state and unquantized weights, {name} weights: {args.streams} {what}"
+            f" × {args.positions:,} positions, one token a step; KL(reference ‖ mode) in nats, per "
             "position; the trend "
             f"is a line through the means of blocks of {args.block} positions\n\n"
             + markdown_table(["mode"] + HEADER, rows))
