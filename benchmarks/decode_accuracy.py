@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     "id = byte: a byte-level model's own kind of input, such as benchmarks.tiny_trained_model's) "
                     "instead of random token ids")
     ap.add_argument("--out", default="BENCHMARKS.md", help="'-': print only")
+    ap.add_argument("--area", default="decode-accuracy", help="the BENCHMARKS.md block to replace")
     args = ap.parse_args(argv)
     args.block = min(args.block, args.positions)
     weights, name = load_weights(args)
@@ -170,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             "position; the trend "
             f"is a line through the means of blocks of {args.block} positions\n\n"
             + markdown_table(["mode"] + HEADER, rows))
-    publish("decode-accuracy", command_line("benchmarks.decode_accuracy", argv), body, args.out,
+    if args.device == "cpu":
+        body += ("\n\nOn the CPU the fp8 modes compute with the weights' fp8 rounding only (dequantized; no fp8 "
+                 "GEMM, so no rounding of the activations)")
+    publish(args.area, command_line("benchmarks.decode_accuracy", argv), body, args.out,
             title="Accuracy of reduced-precision decode")
     return 0
 
