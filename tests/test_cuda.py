@@ -660,3 +660,37 @@ def test_prefix_cache_on_cuda_resumes_what_a_cold_prefill_computes(tmp_path):
     cache.device_bytes = warm_engine.runner.prefix_cache_row_bytes
     again = first_tokens(warm_engine)
     assert cache.stats.demoted > 0 and [t for t, _, _ in again] == [t for t, _, _ in cold]
+
+
+@pytest.mark.gpu
+def test_a_burst_of_checkpoints_never_has_more_copies_to_the_host_in_flight_than_spare_rows(tmp_path):
+    """A wave of sequences finishing together makes a checkpoint each: with the device tier full, those pushed
+    out go to the host only while a spare device row is free for the new one (no step waits on a copy); the rest
+    are dropped. Output is unchanged (greedy, against the cache off: no prompt shares a prefix)."""
+    from engine.demo import write_demo_model
+    from engine.params import SamplingParams
+    from engine.sequence import Request
+    path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=6)
+    row_bytes = _cuda_engine(path).runner.prefix_cache_row_bytes
+    prompts = [[1 + (i * 7919 + k * 104729) % 60000 for k in range(48)] for i in range(32)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(engine, check=None):
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", p, params))
+        outs = {}
+        while engine.has_work():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+            if check is not None:
+                check()
+        return outs
+
+    cold = run(_cuda_engine(path, prefix_cache_gib=0))
+    engine = _cuda_engine(path, prefix_cache_gib=16.5 * row_bytes / 2**30)  # 16 rows
+    runner = engine.runner
+    assert runner._spare_rows == 2
+    in_flight = []
+    warm = run(engine, lambda: in_flight.append(len(runner._demoting)))
+    assert warm == cold
+    assert max(in_flight) <= runner._spare_rows  # 64 checkpoints through 14 cache rows
