@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             f"is a line through the means of blocks of {args.block} positions\n\n"
             + markdown_table(["mode"] + HEADER, rows))
     if args.device == "cpu":
-        body += ("\n\nOn the CPU the fp8 modes compute with the weights' fp8 rounding only (dequantized; no fp8 "
+        body += ("\nOn the CPU the fp8 modes compute with the weights' fp8 rounding only (dequantized; no fp8 "
                  "GEMM, so no rounding of the activations)")
     publish(args.area, command_line("benchmarks.decode_accuracy", argv), body, args.out,
             title="Accuracy of reduced-precision decode")
