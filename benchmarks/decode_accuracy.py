@@ -125,13 +125,12 @@ def text_windows(path: str, streams: int, positions: int, gen: torch.Generator) 
     """``streams`` random windows of ``positions`` bytes of the text at ``path`` (a file, or a directory's ``.py``
     and ``.txt`` files concatenated) as token ids ``[streams, positions]``."""
     from pathlib import Path
+
+    from benchmarks.tiny_trained_model import sample_windows
     root = Path(path)
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt"))
     data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8)
-    if len(data) <= positions:
-        raise SystemExit(f"{path}: {len(data)} bytes, fewer than --positions {positions}")
-    starts = torch.randint(0, len(data) - positions, (streams,), generator=gen).tolist()
-    return torch.stack([data[s:s + positions] for s in starts]).long()
+    return sample_windows(data, streams, positions, gen)
 
 
 def main(argv: list[str] | None = None) -> int:

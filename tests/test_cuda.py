@@ -670,8 +670,8 @@ def test_a_burst_of_checkpoints_never_has_more_copies_to_the_host_in_flight_than
     from engine.demo import write_demo_model
     from engine.params import SamplingParams
     from engine.sequence import Request
+    from engine.state import CheckpointSlab
     path = write_demo_model(tmp_path / "m.pth", layers=2, width=256, vocab=65536, seed=6)
-    row_bytes = _cuda_engine(path).runner.prefix_cache_row_bytes
     prompts = [[1 + (i * 7919 + k * 104729) % 60000 for k in range(48)] for i in range(32)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -686,7 +686,10 @@ def test_a_burst_of_checkpoints_never_has_more_copies_to_the_host_in_flight_than
                 check()
         return outs
 
-    cold = run(_cuda_engine(path, prefix_cache_gib=0))
+    cold_engine = _cuda_engine(path, prefix_cache_gib=0)
+    cold = run(cold_engine)
+    # a checkpoint row as the runner sizes it (fp32 logits), from the cold engine's pool: no engine loaded for it
+    row_bytes = CheckpointSlab.row_bytes(cold_engine.runner.pool, cold_engine.runner.vocab_size, torch.float32)
     engine = _cuda_engine(path, prefix_cache_gib=16.5 * row_bytes / 2**30)  # 16 rows
     runner = engine.runner
     assert runner._spare_rows == 2
